@@ -1,0 +1,15 @@
+"""Asynchronous direct I/O between tensors and files (the NVMe tier's engine)."""
+
+from infinity.aio.buffers import Backing, HostBuffer, HostBufferPool, allocate_host_buffer
+from infinity.aio.files import DirectIOFallbackWarning
+from infinity.aio.handle import AioHandle, AioSettings
+
+__all__ = [
+    "AioHandle",
+    "AioSettings",
+    "Backing",
+    "DirectIOFallbackWarning",
+    "HostBuffer",
+    "HostBufferPool",
+    "allocate_host_buffer",
+]

@@ -1,0 +1,437 @@
+"""AioHandle: asynchronous reads and writes of tensors to files, with DeepSpeed's method names.
+
+How a request runs (see [Note: request path] below):
+- it is split into ``intra_op_parallelism`` contiguous slices, one per worker thread; each worker owns
+  one kernel AIO context and runs the C loop with the GIL released, so slices move in parallel;
+- a slice's 4 KiB-aligned body goes through O_DIRECT (block_size requests, queue_depth in flight);
+  an unaligned tail, an unaligned file offset, or a filesystem that refuses O_DIRECT goes through
+  pread/pwrite, which writes exactly the logical bytes (nothing past the end of the tensor);
+- tensors whose memory is not 4 KiB-aligned, or that live on a GPU, are staged through the worker's
+  aligned huge-page buffer. Tensors from ``new_cpu_locked_tensor`` are used in place: the fast path.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.aio import core
+from infinity.aio.buffers import IO_ALIGNMENT, HostBuffer, allocate_host_buffer
+from infinity.aio.files import OpenFile, open_for_io
+from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError
+
+MAX_QUEUE_DEPTH = 4096
+MAX_INTRA_OP_PARALLELISM = 256
+MIN_STAGING_BYTES = 8 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioSettings:
+    """The `aio` knobs, validated. Names and defaults are DeepSpeed's."""
+
+    block_size: int = 1 << 20
+    """Bytes per kernel request; a multiple of 4096."""
+    queue_depth: int = 8
+    """Requests in flight per worker thread."""
+    single_submit: bool = False
+    """Submit one request per io_submit call instead of a batch."""
+    overlap_events: bool = True
+    """Refill the queue as soon as one request completes, instead of draining each batch."""
+    intra_op_parallelism: int = 1
+    """Worker threads (each with its own AIO context); each request is split into this many slices."""
+    use_direct_io: bool = True
+    """O_DIRECT where the filesystem allows. False forces buffered pread/pwrite (for comparison, tests)."""
+
+    def __post_init__(self) -> None:
+        for name in ("single_submit", "overlap_events", "use_direct_io"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"aio.{name} must be true or false, got {getattr(self, name)!r}")
+        for name, lo, hi in (
+            ("block_size", IO_ALIGNMENT, 1 << 30),
+            ("queue_depth", 1, MAX_QUEUE_DEPTH),
+            ("intra_op_parallelism", 1, MAX_INTRA_OP_PARALLELISM),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"aio.{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise ConfigError(f"aio.{name} must be between {lo} and {hi}, got {value}")
+        if self.block_size % IO_ALIGNMENT:
+            raise ConfigError(
+                f"aio.block_size must be a multiple of {IO_ALIGNMENT} bytes for direct I/O, "
+                f"got {self.block_size}"
+            )
+
+    @property
+    def loop(self) -> core.LoopSettings:
+        return core.LoopSettings(
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            single_submit=self.single_submit,
+            overlap_events=self.overlap_events,
+        )
+
+    @property
+    def staging_bytes(self) -> int:
+        """A staging buffer holds one full queue, so staged I/O still keeps the queue full."""
+        return max(MIN_STAGING_BYTES, self.block_size * self.queue_depth)
+
+
+class _Worker:
+    """One thread, its AIO context, and its staging buffer (made on first need)."""
+
+    def __init__(self, index: int, settings: AioSettings) -> None:
+        self.context = core.AioContext(settings.queue_depth)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infinity-aio-{index}")
+        self._staging_bytes = settings.staging_bytes
+        self._staging: HostBuffer | None = None
+
+    def staging(self) -> HostBuffer:
+        if self._staging is None:
+            self._staging = allocate_host_buffer(self._staging_bytes)
+        return self._staging
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)  # in-flight slices finish before their context goes
+        self.context.close()
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
+
+
+@dataclass(eq=False)
+class _Request:
+    """One user call: the tensor is held so its memory outlives the I/O."""
+
+    is_write: bool
+    path: str
+    offset: int
+    memory: torch.Tensor  # flat uint8 view of the user's tensor
+    file: OpenFile
+    futures: list[Future] = field(default_factory=list)
+    _slices_left: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def slice_finished(self) -> None:
+        with self._lock:
+            self._slices_left -= 1
+            last = self._slices_left == 0
+        if last:
+            self.file.close()
+
+    def error(self) -> BaseException | None:
+        """Waits for every slice; returns the first failure (by slice order), or None."""
+        first = None
+        for future in self.futures:
+            exc = future.exception()
+            if exc is not None and first is None:
+                first = exc
+        return first
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise InvalidTensorError(f"only dense (strided) tensors can be read or written, got {tensor.layout}")
+    if not tensor.is_contiguous():
+        raise InvalidTensorError(
+            f"tensor of shape {tuple(tensor.shape)} with stride {tensor.stride()} is not contiguous; "
+            "pass tensor.contiguous() (a copy) or read/write a contiguous buffer"
+        )
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+
+
+def _plan_slices(nbytes: int, parallelism: int) -> list[tuple[int, int]]:
+    """Contiguous (start, length) slices on 4 KiB boundaries, at most ``parallelism`` of them."""
+    if nbytes == 0:
+        return []
+    piece = -(-nbytes // parallelism)
+    piece = -(-piece // IO_ALIGNMENT) * IO_ALIGNMENT
+    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
+
+
+class AioHandle:
+    """Reads and writes tensors to files with asynchronous direct I/O.
+
+    ``sync_*`` return the number of bytes moved; ``async_*`` queue the request and return at once;
+    ``wait()`` blocks for every queued request, returns how many succeeded, and raises AioError
+    (path, offset, errno) if any failed. Errors in the arguments or opening the file raise at call time.
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        intra_op_parallelism: int = 1,
+        *,
+        use_direct_io: bool = True,
+    ) -> None:
+        self.settings = AioSettings(
+            block_size=block_size,
+            queue_depth=queue_depth,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+            intra_op_parallelism=intra_op_parallelism,
+            use_direct_io=use_direct_io,
+        )
+        self._workers: list[_Worker] = []
+        try:
+            for index in range(intra_op_parallelism):
+                self._workers.append(_Worker(index, self.settings))
+        except BaseException:
+            for worker in self._workers:
+                worker.close()
+            raise
+        self._pending: list[_Request] = []
+        self._pending_lock = threading.Lock()
+        self._locked_buffers: dict[int, HostBuffer] = {}
+        self._closer = weakref.finalize(self, _close_workers, self._workers)
+
+    @classmethod
+    def from_settings(cls, settings: AioSettings) -> AioHandle:
+        return cls(
+            settings.block_size,
+            settings.queue_depth,
+            settings.single_submit,
+            settings.overlap_events,
+            settings.intra_op_parallelism,
+            use_direct_io=settings.use_direct_io,
+        )
+
+    # ---- DeepSpeed-compatible getters ----
+    def get_block_size(self) -> int:
+        return self.settings.block_size
+
+    def get_queue_depth(self) -> int:
+        return self.settings.queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self.settings.single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self.settings.overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self.settings.intra_op_parallelism
+
+    get_thread_count = get_intra_op_parallelism  # DeepSpeed's legacy name
+
+    @property
+    def backend(self) -> str:
+        return core.BACKEND
+
+    # ---- I/O ----
+    def sync_pread(self, tensor: torch.Tensor, path, file_offset: int = 0) -> int:
+        return self._run_sync(self._submit(tensor, path, file_offset, is_write=False))
+
+    def sync_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0) -> int:
+        return self._run_sync(self._submit(tensor, path, file_offset, is_write=True))
+
+    def async_pread(self, tensor: torch.Tensor, path, file_offset: int = 0) -> None:
+        self._queue(self._submit(tensor, path, file_offset, is_write=False))
+
+    def async_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0) -> None:
+        self._queue(self._submit(tensor, path, file_offset, is_write=True))
+
+    def wait(self) -> int:
+        """Block until every queued request is done. Returns how many succeeded; raises on any failure."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        completed = 0
+        failures: list[BaseException] = []
+        for request in pending:
+            exc = request.error()
+            if exc is None:
+                completed += 1
+            else:
+                failures.append(exc)
+        if failures:
+            first = failures[0]
+            if len(failures) > 1 and hasattr(first, "add_note"):
+                first.add_note(
+                    f"{len(failures) - 1} more of the {len(pending)} requests failed; {completed} completed"
+                )
+            raise first
+        return completed
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # ---- host buffers ----
+    def new_cpu_locked_tensor(
+        self, numel: int, dtype: torch.dtype | torch.Tensor = torch.uint8
+    ) -> torch.Tensor:
+        """A 1-D tensor of ``numel`` elements in 2 MiB-aligned, huge-page-backed, locked (or pinned) memory.
+
+        ``dtype`` may be an example tensor (DeepSpeed passes one). Free it with free_cpu_locked_tensor.
+        """
+        if isinstance(dtype, torch.Tensor):
+            dtype = dtype.dtype
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ConfigError(f"numel must be a non-negative integer, got {numel!r}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buffer = allocate_host_buffer(numel * itemsize)
+        tensor = buffer.view(numel, dtype)
+        self._locked_buffers[tensor.data_ptr()] = buffer
+        return tensor
+
+    def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> None:
+        buffer = self._locked_buffers.pop(tensor.data_ptr(), None)
+        if buffer is None:
+            raise InvalidTensorError(
+                "free_cpu_locked_tensor: this tensor was not made by new_cpu_locked_tensor "
+                "of this handle, or was freed already"
+            )
+        buffer.release()
+
+    def close(self) -> None:
+        """Finish in-flight requests and destroy the AIO contexts. The handle is unusable after."""
+        self._closer()
+        for buffer in self._locked_buffers.values():
+            buffer.release()
+        self._locked_buffers.clear()
+
+    def __enter__(self) -> AioHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals: see [Note: request path] in the module docstring ----
+    def _queue(self, request: _Request) -> None:
+        with self._pending_lock:
+            self._pending.append(request)
+
+    def _run_sync(self, request: _Request) -> int:
+        exc = request.error()
+        if exc is not None:
+            raise exc
+        return request.memory.numel()
+
+    def _submit(self, tensor: torch.Tensor, path, file_offset: int, *, is_write: bool) -> _Request:
+        if not self._closer.alive:
+            raise AioError(
+                op="submit", path=str(path), offset=file_offset, errno=None, detail="this AioHandle is closed"
+            )
+        memory = _byte_view(tensor)
+        if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
+            raise ConfigError(f"file_offset must be a non-negative integer, got {file_offset!r}")
+        nbytes = memory.numel()
+        aligned_offset = file_offset % IO_ALIGNMENT == 0
+        direct = self.settings.use_direct_io and aligned_offset and nbytes >= IO_ALIGNMENT
+        need_buffered = not direct or nbytes % IO_ALIGNMENT != 0 or memory.device.type != "cpu"
+        file = open_for_io(path, is_write=is_write, direct=direct, need_buffered=need_buffered)
+        if not is_write and file.is_regular and file.size < file_offset + nbytes:
+            file.close()
+            raise ShortTransferError(
+                op="read",
+                path=file.path,
+                offset=file_offset,
+                errno=None,
+                detail=(
+                    f"the file has {file.size} bytes but this read needs {file_offset + nbytes} "
+                    f"(offset {file_offset} + {nbytes} bytes of tensor): was it truncated, or written "
+                    "from a smaller tensor?"
+                ),
+            )
+        request = _Request(is_write=is_write, path=file.path, offset=file_offset, memory=memory, file=file)
+        slices = _plan_slices(nbytes, self.settings.intra_op_parallelism)
+        if not slices:
+            file.close()
+            return request
+        request._slices_left = len(slices)
+        for worker, (start, length) in zip(self._workers, slices, strict=False):
+            request.futures.append(worker.executor.submit(self._run_slice, worker, request, start, length))
+        return request
+
+    def _run_slice(self, worker: _Worker, request: _Request, start: int, length: int) -> None:
+        try:
+            self._transfer(worker, request, start, length)
+        finally:
+            request.slice_finished()
+
+    def _transfer(self, worker: _Worker, request: _Request, start: int, length: int) -> None:
+        file, memory = request.file, request.memory
+        file_offset = request.offset + start
+        on_host = memory.device.type == "cpu"
+        direct_len = 0
+        if file.direct_fd is not None and file_offset % IO_ALIGNMENT == 0:
+            direct_len = length // IO_ALIGNMENT * IO_ALIGNMENT
+        if direct_len:
+            address = memory.data_ptr() + start
+            if on_host and address % IO_ALIGNMENT == 0:
+                core.rw_direct(
+                    worker.context,
+                    file.direct_fd,
+                    is_write=request.is_write,
+                    address=address,
+                    nbytes=direct_len,
+                    offset=file_offset,
+                    settings=self.settings.loop,
+                    path=file.path,
+                )
+            else:
+                self._staged(worker, request, start, direct_len, direct=True)
+        rest = length - direct_len
+        if rest:
+            if on_host:
+                core.rw_buffered(
+                    file.buffered_fd,
+                    is_write=request.is_write,
+                    address=memory.data_ptr() + start + direct_len,
+                    nbytes=rest,
+                    offset=file_offset + direct_len,
+                    path=file.path,
+                )
+            else:
+                self._staged(worker, request, start + direct_len, rest, direct=False)
+
+    def _staged(self, worker: _Worker, request: _Request, start: int, length: int, *, direct: bool) -> None:
+        """Moves memory[start:start+length] through the worker's aligned staging buffer, chunk by chunk."""
+        staging = worker.staging()
+        chunk = staging.nbytes
+        done = 0
+        while done < length:
+            n = min(chunk, length - done)
+            user = request.memory[start + done : start + done + n]
+            bounce = staging.data[:n]
+            if request.is_write:
+                bounce.copy_(user)
+            file_offset = request.offset + start + done
+            if direct:
+                core.rw_direct(
+                    worker.context,
+                    request.file.direct_fd,
+                    is_write=request.is_write,
+                    address=staging.address,
+                    nbytes=n,
+                    offset=file_offset,
+                    settings=self.settings.loop,
+                    path=request.path,
+                )
+            else:
+                core.rw_buffered(
+                    request.file.buffered_fd,
+                    is_write=request.is_write,
+                    address=staging.address,
+                    nbytes=n,
+                    offset=file_offset,
+                    path=request.path,
+                )
+            if not request.is_write:
+                user.copy_(bounce)
+            done += n
+
+
+def _close_workers(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.close()

@@ -1,0 +1,48 @@
+"""The exception hierarchy. Every error a user can cause names the key, path or value and the fix."""
+
+from __future__ import annotations
+
+import errno as errno_module
+import os
+
+
+class InfinityError(Exception):
+    """Base of every error raised by infinity."""
+
+
+class ConfigError(InfinityError, ValueError):
+    """A config key or constructor argument has a bad value. The message names it and the rule."""
+
+
+class InvalidTensorError(InfinityError, ValueError):
+    """A tensor handed to the I/O engine cannot be used as it is (e.g. not contiguous)."""
+
+
+class TierBudgetError(InfinityError, MemoryError):
+    """A memory tier (device, host, NVMe) cannot hold what was asked of it within its budget."""
+
+
+class CheckpointError(InfinityError):
+    """A checkpoint is missing, incomplete, or does not match the model."""
+
+
+class AioError(InfinityError):
+    """An I/O request failed. Carries the path, the file offset, the errno (None for a short transfer)."""
+
+    def __init__(self, *, op: str, path: str, offset: int, errno: int | None, detail: str = "") -> None:
+        self.op = op
+        self.path = path
+        self.offset = offset
+        self.errno = errno
+        self.detail = detail
+        reason = f"{errno_module.errorcode.get(errno, errno)} ({os.strerror(errno)})" if errno else ""
+        parts = [f"{op} of {path!r} at offset {offset} failed"]
+        if reason:
+            parts.append(reason)
+        if detail:
+            parts.append(detail)
+        super().__init__(": ".join(parts))
+
+
+class ShortTransferError(AioError):
+    """Fewer bytes moved than asked: end of file on a read, a full disk on a write."""
