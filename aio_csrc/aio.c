@@ -97,9 +97,10 @@ static int ring_alloc(ring *r, int depth) {
 
 int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t nbytes, int64_t offset,
                   uint64_t block_size, int queue_depth, int single_submit, int overlap_events,
-                  inf_status *st) {
+                  uint64_t buffer_wrap, inf_status *st) {
     status_init(st);
-    if (queue_depth < 1 || block_size == 0 || offset < 0) {
+    if (queue_depth < 1 || block_size == 0 || offset < 0 || (buffer_wrap && buffer_wrap % block_size) ||
+        (buffer_wrap && buffer_wrap / block_size < (uint64_t)queue_depth)) {
         status_fail(st, INF_ERR_ARGUMENT, offset, (int64_t)nbytes, -EINVAL);
         return INF_ERR_ARGUMENT;
     }
@@ -126,7 +127,8 @@ int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t n
                 int slot = r.free_slots[--r.num_free];
                 uint64_t rel = next_block * block_size;
                 uint64_t len = nbytes - rel < block_size ? nbytes - rel : block_size;
-                inf_prep_rw(&r.cbs[slot], fd, is_write, base + rel, len, offset + (int64_t)rel,
+                char *mem = base + (buffer_wrap ? rel % buffer_wrap : rel);
+                inf_prep_rw(&r.cbs[slot], fd, is_write, mem, len, offset + (int64_t)rel,
                             (uint64_t)slot);
                 r.batch[num_ready++] = &r.cbs[slot];
                 next_block++;

@@ -52,11 +52,14 @@ long inf_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event *
  * overlap_events: reap one completion at a time and refill its slot at once;
  * otherwise submit a batch, reap all of it, repeat.
  * single_submit: one iocb per io_submit call.
+ * buffer_wrap: 0 for a buffer of nbytes; else the buffer holds buffer_wrap bytes (a multiple of
+ * block_size, >= queue_depth blocks) and block i uses buf + (i * block_size) % buffer_wrap: a file
+ * streamed through a ring, as fio does (benchmarks measure the disk at fio's memory footprint).
  * On failure it stops submitting, drains what is in flight (the buffer is the caller's) and
  * returns the error kind; st describes the first failure by file offset. */
 int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t nbytes, int64_t offset,
                   uint64_t block_size, int queue_depth, int single_submit, int overlap_events,
-                  inf_status *st);
+                  uint64_t buffer_wrap, inf_status *st);
 
 /* The same contract with plain pread/pwrite (for files that refuse O_DIRECT and for unaligned
  * tails). EINTR and partial writes are continued; a read that reaches end of file is SHORT. */

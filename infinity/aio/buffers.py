@@ -221,9 +221,7 @@ def allocate_host_buffer(
             _warn_unlocked_once(nbytes, ctypes.get_errno())
     if not (pinned or locked):
         data.zero_()  # first touch now, so huge pages are taken here and not during timed I/O
-    return HostBuffer(
-        data=data, nbytes=nbytes, backing=backing, locked=locked, pinned=pinned, _mapping=mapping
-    )
+    return HostBuffer(data=data, nbytes=nbytes, backing=backing, locked=locked, pinned=pinned, _mapping=mapping)
 
 
 def anon_huge_page_bytes(buffer: HostBuffer) -> int:

@@ -38,9 +38,7 @@ class AioContext:
                 if err == errno_module.EAGAIN
                 else "check queue_depth"
             )
-            raise AioError(
-                op=f"io_setup({max_events})", path="<aio context>", offset=0, errno=err, detail=hint
-            )
+            raise AioError(op=f"io_setup({max_events})", path="<aio context>", offset=0, errno=err, detail=hint)
         self._lock = threading.Lock()
         self.closed = False
 
@@ -105,12 +103,13 @@ def rw_direct(
     offset: int,
     settings: LoopSettings,
     path: str,
+    buffer_wrap: int = 0,
 ) -> None:
-    """Move nbytes between host memory at ``address`` and ``fd`` (opened O_DIRECT) at ``offset``."""
+    """Move nbytes between host memory at ``address`` and ``fd`` (opened O_DIRECT) at ``offset``.
+
+    buffer_wrap > 0 streams the file range through a ring of that many bytes at ``address``."""
     if settings.queue_depth > context.max_events:
-        raise ConfigError(
-            f"queue_depth {settings.queue_depth} exceeds this AIO context's {context.max_events} events"
-        )
+        raise ConfigError(f"queue_depth {settings.queue_depth} exceeds this AIO context's {context.max_events} events")
     status = ffi.new("inf_status *")
     with context._lock:
         kind = lib.inf_rw_direct(
@@ -124,6 +123,7 @@ def rw_direct(
             settings.queue_depth,
             int(settings.single_submit),
             int(settings.overlap_events),
+            buffer_wrap,
             status,
         )
         if kind == lib.INF_ERR_REAP:

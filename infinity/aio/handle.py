@@ -62,8 +62,7 @@ class AioSettings:
                 raise ConfigError(f"aio.{name} must be between {lo} and {hi}, got {value}")
         if self.block_size % IO_ALIGNMENT:
             raise ConfigError(
-                f"aio.block_size must be a multiple of {IO_ALIGNMENT} bytes for direct I/O, "
-                f"got {self.block_size}"
+                f"aio.block_size must be a multiple of {IO_ALIGNMENT} bytes for direct I/O, got {self.block_size}"
             )
 
     @property
@@ -256,9 +255,7 @@ class AioHandle:
         if failures:
             first = failures[0]
             if len(failures) > 1 and hasattr(first, "add_note"):
-                first.add_note(
-                    f"{len(failures) - 1} more of the {len(pending)} requests failed; {completed} completed"
-                )
+                first.add_note(f"{len(failures) - 1} more of the {len(pending)} requests failed; {completed} completed")
             raise first
         return completed
 
@@ -267,9 +264,7 @@ class AioHandle:
         return len(self._pending)
 
     # ---- host buffers ----
-    def new_cpu_locked_tensor(
-        self, numel: int, dtype: torch.dtype | torch.Tensor = torch.uint8
-    ) -> torch.Tensor:
+    def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype | torch.Tensor = torch.uint8) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements in 2 MiB-aligned, huge-page-backed, locked (or pinned) memory.
 
         ``dtype`` may be an example tensor (DeepSpeed passes one). Free it with free_cpu_locked_tensor.

@@ -2,8 +2,10 @@
 
 import os
 
+import pytest
 import torch
 
+from infinity import AioError
 from infinity._aio import ffi, lib
 from infinity.aio import core
 from infinity.aio.buffers import allocate_host_buffer
@@ -49,3 +51,32 @@ def test_io_setup_reports_errno_not_abort():
 
 def torch_arange_bytes(n):
     return (torch.arange(n) % 251).to(torch.uint8)
+
+
+def test_buffer_wrap_streams_a_file_through_a_ring(disk_dir):
+    """buffer_wrap: block i uses ring[(i * block) % wrap]; a 4 MiB file written from a 1 MiB ring is the
+    ring four times."""
+    path = str(disk_dir / "ring.bin")
+    ring = allocate_host_buffer(1 << 20)
+    ring.data.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+    expected = bytes(ring.data.numpy()) * 4
+    ctx = core.AioContext(4)
+    settings = core.LoopSettings(block_size=256 << 10, queue_depth=4, single_submit=False, overlap_events=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    core.rw_direct(
+        ctx, fd, is_write=True, address=ring.address, nbytes=4 << 20, offset=0, settings=settings, path=path,
+        buffer_wrap=1 << 20,
+    )  # fmt: skip
+    os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read() == expected
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with pytest.raises(AioError, match="bad request arguments"):  # wrap smaller than the queue
+            core.rw_direct(
+                ctx, fd, is_write=False, address=ring.address, nbytes=4 << 20, offset=0, settings=settings,
+                path=path, buffer_wrap=512 << 10,
+            )  # fmt: skip
+    finally:
+        os.close(fd)
+        ctx.close()

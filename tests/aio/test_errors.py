@@ -65,9 +65,7 @@ def test_core_reports_short_read_with_offset(disk_dir, direct):
         with pytest.raises(ShortTransferError) as info:
             if direct:
                 ctx = core.AioContext(4)
-                settings = core.LoopSettings(
-                    block_size=4096, queue_depth=4, single_submit=False, overlap_events=True
-                )
+                settings = core.LoopSettings(block_size=4096, queue_depth=4, single_submit=False, overlap_events=True)
                 core.rw_direct(
                     ctx,
                     fd,
@@ -80,9 +78,7 @@ def test_core_reports_short_read_with_offset(disk_dir, direct):
                 )
                 ctx.close()
             else:
-                core.rw_buffered(
-                    fd, is_write=False, address=buffer.address, nbytes=8 * 4096, offset=0, path=path
-                )
+                core.rw_buffered(fd, is_write=False, address=buffer.address, nbytes=8 * 4096, offset=0, path=path)
     finally:
         os.close(fd)
     assert info.value.offset == 3 * 4096

@@ -45,10 +45,7 @@ def check_round_trip(handle, source, path, offset, locked_target=False):
     with open(path, "rb") as f:
         f.seek(offset)
         assert f.read() == as_bytes(source), "bytes on disk differ from the tensor"
-    if locked_target:
-        target = handle.new_cpu_locked_tensor(source.numel(), source.dtype)
-    else:
-        target = torch.empty_like(source)
+    target = handle.new_cpu_locked_tensor(source.numel(), source.dtype) if locked_target else torch.empty_like(source)
     assert handle.sync_pread(target, path, file_offset=offset) == nbytes
     assert as_bytes(target) == as_bytes(source)
     if locked_target:

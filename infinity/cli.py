@@ -1,0 +1,30 @@
+"""The `infinity` command: one entry point whose subcommands delegate to their modules."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: infinity <command> [options]
+
+commands:
+  aio-bench   measure (and tune) read/write throughput of a disk through the async I/O engine
+
+Run `infinity <command> --help` for a command's options."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "aio-bench":
+        from infinity.aio.bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"infinity: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
