@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -68,7 +69,12 @@ def time_naive(path: str, tensor: torch.Tensor, kind: str, op: str) -> float:
     return nbytes / (time.perf_counter() - start) / GB
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # so the test file and the huge-page reservation are cleaned up
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--io-size", type=parse_size, default=parse_size("8G"))
     parser.add_argument("--runs", type=int, default=5)

@@ -1,6 +1,8 @@
 """infinity: ZeRO-Infinity memory tiers (device, host, NVMe) for PyTorch training."""
 
 from infinity.aio import AioHandle, AioSettings
+from infinity.config import Config, parse_config
+from infinity.engine import Engine, initialize
 from infinity.errors import (
     AioError,
     CheckpointError,
@@ -18,9 +20,13 @@ __all__ = [
     "AioHandle",
     "AioSettings",
     "CheckpointError",
+    "Config",
+    "Engine",
     "ConfigError",
     "InfinityError",
     "InvalidTensorError",
     "ShortTransferError",
+    "initialize",
+    "parse_config",
     "TierBudgetError",
 ]

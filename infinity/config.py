@@ -7,11 +7,14 @@ with one deprecation warning each. Components receive only their own section's o
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.aio.handle import AioSettings
@@ -107,3 +110,487 @@ def parse_aio(raw: Mapping[str, Any] | None) -> AioSettings:
         if key in raw:
             kwargs[key] = as_bool(f"aio.{key}", raw[key])
     return AioSettings(**kwargs)
+
+
+# ---- sections of the training config ----
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fp16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0
+    """0 means dynamic loss scaling; any other value is a fixed scale."""
+    initial_scale_power: int = 16
+    """The dynamic scale starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Clean steps before the dynamic scale is doubled."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every clean step (instead of never)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bf16Config:
+    enabled: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    type: str
+    """Adam | AdamW | SGD (case-insensitive)."""
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    type: str
+    """WarmupLR | WarmupDecayLR | WarmupCosineLR."""
+    params: dict = field(default_factory=dict)
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadOptimizerConfig:
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    pin_memory: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadParamConfig:
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    stage: int = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool = False
+    """Launch gradient reductions during backward. DeepSpeed's default is true for stage 3."""
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    round_robin_gradients: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = 2**63 - 1
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    ignore_unused_parameters: bool = True
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """The whole training config, validated; components receive their own section."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    bf16: Bf16Config = field(default_factory=Bf16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    aio: AioSettings = field(default_factory=AioSettings)
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "float16" if self.fp16.enabled else "bfloat16" if self.bf16.enabled else "float32"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoValues:
+    """What initialize() knows that can fill "auto" values."""
+
+    lr: float | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    momentum: float | None = None
+    micro_batch_size: int | None = None
+    hidden_size: int | None = None
+    model_dtype: str | None = None  # "float16" | "bfloat16" | "float32": fills fp16/bf16.enabled "auto"
+
+
+# DeepSpeed sections that only observe: accepted, with one warning that they do nothing here.
+OBSERVE_ONLY = {
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "flops_profiler",
+    "comms_logger",
+    "memory_breakdown",
+    "dump_state",
+}
+# DeepSpeed settings that would change the math or the memory, which infinity does not implement.
+NOT_IMPLEMENTED = {
+    "pipeline", "sparse_attention", "compression_training", "data_efficiency", "curriculum_learning", "elasticity",
+    "autotuning", "activation_checkpointing", "amp", "communication_data_type", "hybrid_engine", "quantize_training",
+    "eigenvalue", "progressive_layer_drop", "data_types", "checkpoint", "nebula", "weight_quantization",
+    "torch_autocast", "compile", "tensor_parallel", "sparse_gradients", "prescale_gradients",
+    "gradient_predivide_factor", "seq_parallel_communication_data_type", "bfloat16_immediate_grad_update",
+}  # fmt: skip
+# Accepted without effect: they tune DeepSpeed internals that infinity does not have.
+ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "seed"}
+TOP_LEVEL = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
+    "zero_optimization", "aio",
+} | OBSERVE_ONLY | NOT_IMPLEMENTED | ACCEPTED_NO_EFFECT  # fmt: skip
+
+_ZERO_NO_EFFECT = {
+    "memory_efficient_linear",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "use_multi_rank_bucket_allreduce",
+    "log_trace_cache_warnings",
+    "legacy_stage1",
+}
+_ZERO_NOT_IMPLEMENTED = {
+    "zero_hpz_partition_size": 1,
+    "zero_quantized_weights": False,
+    "zero_quantized_gradients": False,
+    "zero_quantized_nontrainable_weights": False,
+    "mics_shard_size": -1,
+    "mics_hierarchical_params_gather": False,
+    "zeropp_loco_param": None,
+    "stage3_module_granularity_threshold": 0,
+}
+_ZERO_LEGACY = {
+    "cpu_offload",
+    "cpu_offload_params",
+    "cpu_offload_use_pin_memory",
+    "stage3_gather_fp16_weights_on_model_save",
+}
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _typed_section(cls, section: str, raw: Mapping[str, Any], *, skip: set[str] = frozenset()):
+    """Build a flat dataclass from a dict: known keys only, each checked against its annotated type."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{section} must be an object, got {raw!r}")
+    fields = _fields(cls)
+    check_keys(section, {k: v for k, v in raw.items() if k not in skip}, set(fields) | set(skip))
+    kwargs = {}
+    for key, value in raw.items():
+        if key in skip:
+            continue
+        annotation = str(fields[key].type)
+        name = f"{section}.{key}"
+        if annotation == "bool":
+            kwargs[key] = as_bool(name, value)
+        elif annotation == "int":
+            kwargs[key] = as_int(name, value, minimum=0)
+        elif annotation == "float":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+            kwargs[key] = float(value)
+        elif annotation == "dict":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{name} must be an object, got {value!r}")
+            kwargs[key] = dict(value)
+        elif value is None or isinstance(value, str):
+            kwargs[key] = value
+        else:
+            raise ConfigError(f"{name} must be a string, got {value!r}")
+    return cls(**kwargs)
+
+
+def _offload(cls, section: str, raw: Mapping[str, Any] | None):
+    config = _typed_section(cls, section, raw or {})
+    if config.device not in OFFLOAD_DEVICES:
+        raise ConfigError(f"{section}.device must be one of {', '.join(OFFLOAD_DEVICES)}, got {config.device!r}")
+    if config.device == "nvme" and not config.nvme_path:
+        raise ConfigError(
+            f"{section}.device is nvme but {section}.nvme_path is not set: give a directory on a fast disk"
+        )
+    return config
+
+
+def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
+    raw = dict(raw or {})
+    if not isinstance(raw, dict):
+        raise ConfigError(f"zero_optimization must be an object, got {raw!r}")
+    for key in _ZERO_NO_EFFECT & set(raw):
+        raw.pop(key)
+    for key, default in _ZERO_NOT_IMPLEMENTED.items():
+        if key in raw and raw.pop(key) not in (default, None):
+            raise ConfigError(
+                f"zero_optimization.{key} is a DeepSpeed setting that infinity does not implement; remove it"
+            )
+    legacy = {}
+    for key in _ZERO_LEGACY:
+        if key in raw:
+            legacy[key] = raw.pop(key)
+    if "cpu_offload" in legacy:
+        warn_legacy("zero_optimization.cpu_offload", "zero_optimization.offload_optimizer.device")
+        if legacy["cpu_offload"] and "offload_optimizer" not in raw:
+            raw["offload_optimizer"] = {"device": "cpu"}
+    if "cpu_offload_params" in legacy:
+        warn_legacy("zero_optimization.cpu_offload_params", "zero_optimization.offload_param.device")
+        if legacy["cpu_offload_params"] and "offload_param" not in raw:
+            raw["offload_param"] = {"device": "cpu"}
+    if "cpu_offload_use_pin_memory" in legacy:
+        warn_legacy("zero_optimization.cpu_offload_use_pin_memory", "offload_optimizer/offload_param.pin_memory")
+        for key in ("offload_optimizer", "offload_param"):
+            if key in raw and "pin_memory" not in raw[key]:
+                raw[key] = {**raw[key], "pin_memory": bool(legacy["cpu_offload_use_pin_memory"])}
+    if "stage3_gather_fp16_weights_on_model_save" in legacy:
+        warn_legacy(
+            "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        )
+        raw.setdefault("stage3_gather_16bit_weights_on_model_save", legacy["stage3_gather_fp16_weights_on_model_save"])
+    stage = as_int("zero_optimization.stage", raw.get("stage", 0), minimum=0)
+    if stage > 3:
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    raw.setdefault("overlap_comm", stage == 3)
+    offload_optimizer = _offload(
+        OffloadOptimizerConfig, "zero_optimization.offload_optimizer", raw.pop("offload_optimizer", None)
+    )
+    offload_param = _offload(OffloadParamConfig, "zero_optimization.offload_param", raw.pop("offload_param", None))
+    zero = _typed_section(ZeroConfig, "zero_optimization", raw)
+    zero = dataclasses.replace(zero, offload_optimizer=offload_optimizer, offload_param=offload_param)
+    if offload_param.enabled and stage < 3:
+        raise ConfigError(
+            f"zero_optimization.offload_param needs stage 3 (parameters are only partitioned there), but stage is "
+            f"{stage}; set stage to 3 or remove offload_param"
+        )
+    if offload_optimizer.enabled and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3; stage is 0")
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
+        if getattr(zero, key) < 1:
+            raise ConfigError(f"zero_optimization.{key} must be >= 1, got {getattr(zero, key)}")
+    return zero
+
+
+def resolve_batch_sizes(
+    train: int | None, micro: int | None, accumulation: int | None, world_size: int
+) -> tuple[int, int, int]:
+    """DeepSpeed's rule: any two of the three determine the third; all three must agree.
+
+    train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size.
+    """
+
+    def arithmetic(t, m, g):
+        return (
+            f"train_batch_size {t} != train_micro_batch_size_per_gpu {m} x gradient_accumulation_steps {g} x "
+            f"world size {world_size} = {m * g * world_size}"
+        )
+
+    if train is not None and micro is not None and accumulation is not None:
+        if train != micro * accumulation * world_size:
+            raise ConfigError(
+                arithmetic(train, micro, accumulation) + "; fix one of the three (or drop one and it is computed)"
+            )
+        return train, micro, accumulation
+    if train is not None and micro is not None:
+        if train % (micro * world_size):
+            raise ConfigError(
+                f"train_batch_size {train} is not divisible by train_micro_batch_size_per_gpu {micro} x "
+                f"world size {world_size} = {micro * world_size}; gradient_accumulation_steps would not "
+                "be a whole number"
+            )
+        return train, micro, train // (micro * world_size)
+    if train is not None and accumulation is not None:
+        if train % (accumulation * world_size):
+            raise ConfigError(
+                f"train_batch_size {train} is not divisible by gradient_accumulation_steps {accumulation}"
+                f" x world size {world_size} = {accumulation * world_size}"
+            )
+        return train, train // (accumulation * world_size), accumulation
+    if micro is not None:
+        accumulation = accumulation or 1
+        return micro * accumulation * world_size, micro, accumulation
+    if train is not None:
+        if train % world_size:
+            raise ConfigError(f"train_batch_size {train} is not divisible by the world size {world_size}")
+        return train, train // world_size, 1
+    raise ConfigError(
+        "set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them; "
+        "gradient_accumulation_steps alone does not fix the batch)"
+    )
+
+
+def _fill_auto(raw: dict, auto: AutoValues) -> dict:
+    """Replace "auto" by values from initialize()'s arguments; an unresolvable one is an error naming it."""
+    raw = json.loads(json.dumps(raw))  # deep copy; the caller's dict is never modified
+
+    def need(name: str, value):
+        if value is None:
+            raise ConfigError(f'{name} is "auto" but initialize() was given nothing to fill it from; set a value')
+        return value
+
+    if raw.get("train_micro_batch_size_per_gpu") == AUTO and auto.micro_batch_size is not None:
+        raw["train_micro_batch_size_per_gpu"] = auto.micro_batch_size
+    for section, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        if isinstance(raw.get(section), dict) and raw[section].get("enabled") == AUTO:
+            raw[section]["enabled"] = need(f"{section}.enabled", auto.model_dtype) == dtype
+    if raw.get("gradient_clipping") == AUTO:
+        raise ConfigError(
+            'gradient_clipping is "auto" but initialize() has nothing to fill it from; set a number '
+            "(0 disables clipping; Hugging Face's default max_grad_norm is 1.0)"
+        )
+    optimizer = raw.get("optimizer")
+    if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
+        params = optimizer["params"]
+        sources = {
+            "lr": auto.lr,
+            "betas": list(auto.betas) if auto.betas else None,
+            "eps": auto.eps,
+            "weight_decay": auto.weight_decay,
+            "momentum": auto.momentum,
+        }
+        for key, value in params.items():
+            if value == AUTO:
+                params[key] = need(f"optimizer.params.{key}", sources.get(key))
+    scheduler = raw.get("scheduler")
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict):
+        params = scheduler["params"]
+        for key, value in params.items():
+            if value == AUTO:
+                params[key] = need(f"scheduler.params.{key}", auto.lr if key == "warmup_max_lr" else None)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict):
+        hidden = auto.hidden_size
+        rules = {
+            "reduce_bucket_size": lambda h: h * h,
+            "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+            "stage3_param_persistence_threshold": lambda h: 10 * h,
+        }
+        for key, value in zero.items():
+            if value == AUTO:
+                if key not in rules:
+                    raise ConfigError(f'zero_optimization.{key} cannot be "auto"; set a value')
+                zero[key] = rules[key](need(f"zero_optimization.{key} (from the model's hidden size)", hidden))
+    return raw
+
+
+def parse_config(
+    config: str | os.PathLike | Mapping[str, Any], *, world_size: int = 1, auto: AutoValues | None = None
+) -> Config:
+    """Parse and validate a DeepSpeed-style config (a dict or a JSON file path)."""
+    raw = _fill_auto(load_json(config), auto or AutoValues())
+    check_keys("config", raw, TOP_LEVEL)
+    for key in sorted(OBSERVE_ONLY & set(raw)):
+        warnings.warn(
+            f"config section {key!r} only observes training in DeepSpeed; infinity does not implement it "
+            "and ignores it",
+            UserWarning,
+            stacklevel=3,
+        )
+    for key in sorted(NOT_IMPLEMENTED & set(raw)):
+        value = raw[key]
+        harmless = value in (None, False) or (isinstance(value, dict) and not value.get("enabled", True))
+        if not harmless:
+            raise ConfigError(
+                f"{key} is a DeepSpeed setting that infinity does not implement (it would change the "
+                f"math or the memory); remove it from the config"
+            )
+    if "bfloat16" in raw:
+        warn_legacy("bfloat16", "bf16")
+        raw.setdefault("bf16", raw.pop("bfloat16"))
+
+    batch = {}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = raw.get(key)
+        batch[key] = None if value in (None, AUTO) else as_int(key, value, minimum=1)
+    if raw.get("train_micro_batch_size_per_gpu") == AUTO and batch["train_batch_size"] is None:
+        raise ConfigError(
+            'train_micro_batch_size_per_gpu is "auto" but neither training_data nor train_batch_size '
+            "gives it; set a value"
+        )
+    train, micro, accumulation = resolve_batch_sizes(
+        batch["train_batch_size"],
+        batch["train_micro_batch_size_per_gpu"],
+        batch["gradient_accumulation_steps"],
+        world_size,
+    )
+    fp16 = _typed_section(
+        Fp16Config, "fp16", raw.get("fp16") or {}, skip={"auto_cast", "fp16_master_weights_and_grads"}
+    )
+    if (raw.get("fp16") or {}).get("auto_cast") or (raw.get("fp16") or {}).get("fp16_master_weights_and_grads"):
+        raise ConfigError("fp16.auto_cast and fp16.fp16_master_weights_and_grads are not implemented; remove them")
+    bf16 = _typed_section(Bf16Config, "bf16", raw.get("bf16") or {}, skip={"immediate_grad_update"})
+    if fp16.enabled and bf16.enabled:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; choose one precision")
+    if fp16.enabled and fp16.loss_scale < 0:
+        raise ConfigError(f"fp16.loss_scale must be 0 (dynamic) or positive, got {fp16.loss_scale}")
+    optimizer = None
+    if raw.get("optimizer") is not None:
+        optimizer = _typed_section(OptimizerConfig, "optimizer", raw["optimizer"])
+        if optimizer.type.lower() not in ("adam", "adamw", "sgd"):
+            raise ConfigError(
+                f"optimizer.type {optimizer.type!r} is not supported: use Adam, AdamW or SGD (or pass a "
+                "torch optimizer to initialize())"
+            )
+    scheduler = None
+    if raw.get("scheduler") is not None:
+        scheduler = _typed_section(SchedulerConfig, "scheduler", raw["scheduler"])
+        if scheduler.type not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+            raise ConfigError(
+                f"scheduler.type {scheduler.type!r} is not supported: use WarmupLR, WarmupDecayLR or "
+                "WarmupCosineLR (or pass a scheduler to initialize())"
+            )
+    clipping = raw.get("gradient_clipping", 0.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
+        raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
+    zero = _parse_zero(raw.get("zero_optimization"))
+    if zero.offload_optimizer.device == "nvme" or zero.stage == 3:
+        what = "zero_optimization.stage 3" if zero.stage == 3 else "zero_optimization.offload_optimizer.device nvme"
+        raise ConfigError(
+            f"{what} is not implemented in this version of infinity yet; use stage 1 or 2 with "
+            "offload_optimizer device cpu"
+        )
+    return Config(
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accumulation,
+        world_size=world_size,
+        gradient_clipping=float(clipping),
+        steps_per_print=as_int("steps_per_print", raw.get("steps_per_print", 10), minimum=1),
+        wall_clock_breakdown=as_bool("wall_clock_breakdown", raw.get("wall_clock_breakdown", False)),
+        fp16=fp16,
+        bf16=bf16,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        zero=zero,
+        aio=parse_aio(raw.get("aio")),
+    )

@@ -1,0 +1,297 @@
+"""initialize() and the Engine: DeepSpeed's training API over the ZeRO optimizer.
+
+engine, optimizer, loader, scheduler = infinity.initialize(model=model, config="zero2.json",
+                                                           model_parameters=model.parameters())
+for batch in loader:
+    loss = engine(batch)          # forward (floating inputs cast to the compute dtype)
+    engine.backward(loss)         # scaled by loss scale / accumulation steps; gradients reduced
+    engine.step()                 # the optimizer step only at the accumulation boundary
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.config import AutoValues, Config, parse_config
+from infinity.distributed import compute_device, init_distributed
+from infinity.errors import ConfigError
+from infinity.lr_schedules import build_schedule
+from infinity.precision import LossScaler, compute_dtype
+from infinity.zero.optimizer import ZeroOptimizer
+
+logger = logging.getLogger("infinity")
+
+
+def _auto_values(model: nn.Module, optimizer, training_data) -> AutoValues:
+    defaults = dict(optimizer.param_groups[0]) if isinstance(optimizer, torch.optim.Optimizer) else {}
+    micro = (
+        getattr(training_data, "batch_size", None) if isinstance(training_data, torch.utils.data.DataLoader) else None
+    )
+    model_config = getattr(model, "config", None)
+    hidden = getattr(model_config, "hidden_size", None) or getattr(model_config, "n_embd", None)
+    betas = defaults.get("betas")
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    model_dtype = str(floating[0]).removeprefix("torch.") if floating else None
+    return AutoValues(
+        model_dtype=model_dtype,
+        lr=defaults.get("lr"),
+        betas=tuple(betas) if betas else None,
+        eps=defaults.get("eps"),
+        weight_decay=defaults.get("weight_decay"),
+        momentum=defaults.get("momentum"),
+        micro_batch_size=micro,
+        hidden_size=hidden,
+    )
+
+
+def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if params and isinstance(params[0], Mapping):
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in params]
+    else:
+        groups = [{"params": [p for p in params if p.requires_grad]}]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ConfigError("the model has no trainable parameters (requires_grad=True); nothing to optimize")
+    return groups
+
+
+def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torch.optim.Optimizer:
+    """The optimizer section as a torch optimizer. DeepSpeed's "Adam" decouples weight decay (adam_w_mode
+    defaults to true), so it is AdamW unless adam_w_mode is false. On the CPU, Adam/AdamW use the fused
+    kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md, "Measured")."""
+    spec = config.optimizer
+    params = dict(spec.params)
+    kind = spec.type.lower()
+    params.pop("torch_adam", None)
+    adam_w_mode = params.pop("adam_w_mode", True)
+    if "betas" in params:
+        params["betas"] = tuple(params["betas"])
+    try:
+        if kind in ("adam", "adamw"):
+            cls = torch.optim.AdamW if (kind == "adamw" or adam_w_mode) else torch.optim.Adam
+            if on_cpu and "fused" not in params and "foreach" not in params:
+                params["fused"] = True
+            return cls(groups, **params)
+        return torch.optim.SGD(groups, **params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer.params for {spec.type}: {e}") from None
+
+
+def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
+    if torch.is_tensor(value):
+        value = value.to(device)
+        return value.to(dtype) if value.is_floating_point() and dtype != torch.float32 else value
+    if isinstance(value, list | tuple):
+        return type(value)(_cast_inputs(v, dtype, device) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _cast_inputs(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+class Engine(nn.Module):
+    """Wraps the model: forward, backward with loss scaling and gradient reduction, step at the boundary."""
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        config,
+        optimizer=None,
+        model_parameters=None,
+        lr_scheduler=None,
+        training_data=None,
+        collate_fn=None,
+    ) -> None:
+        super().__init__()
+        self.comm = init_distributed()
+        user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.config: Config = parse_config(
+            config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
+        )
+        self.device = compute_device()
+        self.compute_dtype = compute_dtype(self.config)
+        self.module = model.to(self.device)
+        for buffer in self.module.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(self.compute_dtype)
+        zero = self.config.zero
+        groups = _param_groups(self.module, model_parameters)
+        if user_optimizer is not None:
+            torch_optimizer = user_optimizer
+        elif callable(optimizer):
+            torch_optimizer = optimizer(groups)
+        elif self.config.optimizer is not None:
+            on_cpu = zero.offload_optimizer.enabled or self.device.type == "cpu"
+            torch_optimizer = build_optimizer(self.config, groups, on_cpu=on_cpu)
+        else:
+            raise ConfigError('no optimizer: pass optimizer= to initialize() or add an "optimizer" section')
+        self.zero_optimizer = ZeroOptimizer(
+            torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype, device=self.device,
+            bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+            offload=zero.offload_optimizer.enabled,
+        )  # fmt: skip
+        for param in self.module.parameters():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(self.compute_dtype)
+        self.optimizer = self.zero_optimizer
+        self.loss_scaler = LossScaler.from_config(self.config.fp16)
+        if self.config.scheduler is not None:
+            self.lr_scheduler = build_schedule(self.config.scheduler, torch_optimizer)
+        elif lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+            self.lr_scheduler = lr_scheduler(torch_optimizer)
+        else:
+            self.lr_scheduler = lr_scheduler
+        self.training_dataloader = self._dataloader(training_data, collate_fn)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._step_started = time.perf_counter()
+
+    # ---- DeepSpeed's getters ----
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.zero_optimizer.param_groups]
+
+    def optimizer_state_bytes(self) -> int:
+        return self.zero_optimizer.state_bytes()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    # ---- training ----
+    def forward(self, *args, **kwargs):
+        return self.module(
+            *_cast_inputs(args, self.compute_dtype, self.device),
+            **_cast_inputs(kwargs, self.compute_dtype, self.device),
+        )
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients."""
+        if loss.dim() != 0:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        reducer = self.zero_optimizer.reducer
+        reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        (loss.float() * scale).backward()
+        reducer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """The optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        if self.is_gradient_accumulation_boundary():
+            result = self.zero_optimizer.step(
+                loss_scale=self.loss_scaler.scale,
+                clip_norm=self.config.gradient_clipping,
+                check_overflow=self.config.fp16.enabled,
+            )
+            self.loss_scaler.update(overflow=not result.stepped)
+            if result.stepped:
+                self.last_grad_norm = result.grad_norm
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+            else:
+                self.skipped_steps += 1
+                logger.info(
+                    "step %d skipped: fp16 overflow; loss scale now %g", self.global_steps, self.loss_scaler.scale
+                )
+            self.global_steps += 1
+            if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
+                self._report()
+        self.micro_steps += 1
+
+    def _report(self) -> None:
+        elapsed = time.perf_counter() - self._step_started
+        logger.info(
+            "step %d: lr %s, loss scale %g, grad norm %s, %.3f s/step",
+            self.global_steps,
+            [f"{lr:.3g}" for lr in self.get_lr()],
+            self.loss_scale,
+            self.last_grad_norm,
+            elapsed / self.config.steps_per_print,
+        )
+        self._step_started = time.perf_counter()
+
+    def _dataloader(self, training_data, collate_fn):
+        if training_data is None or isinstance(training_data, torch.utils.data.DataLoader):
+            return training_data
+        sampler = None
+        if self.comm.world_size > 1:
+            sampler = torch.utils.data.DistributedSampler(
+                training_data, num_replicas=self.comm.world_size, rank=self.comm.rank
+            )
+        return torch.utils.data.DataLoader(
+            training_data,
+            batch_size=self.config.train_micro_batch_size_per_gpu,
+            sampler=sampler,
+            shuffle=False,
+            collate_fn=collate_fn,
+            drop_last=True,
+        )
+
+    def destroy(self) -> None:
+        self.zero_optimizer.close()
+
+
+def initialize(
+    model: nn.Module | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    lr_scheduler=None,
+    training_data=None,
+    collate_fn=None,
+    config_params: Mapping[str, Any] | None = None,
+    args=None,
+    **unsupported,
+):
+    """DeepSpeed's initialize(): returns (engine, optimizer, training dataloader, lr scheduler)."""
+    if unsupported:
+        raise ConfigError(f"initialize() does not take {', '.join(sorted(unsupported))}; see its docstring")
+    if model is None:
+        raise ConfigError("initialize() needs model=")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ConfigError("initialize() needs config= (a dict or the path of a JSON file)")
+    engine = Engine(
+        model=model,
+        config=config,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,130 @@
+"""Gradient reduction for ZeRO stages 0-2: one collective per bucket, launched in a fixed order.
+
+Each parameter's gradient is taken as soon as autograd has accumulated it (a post-accumulate-grad hook):
+it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed. Then:
+- stages 0 and 1 keep full fp32 buffers across micro-steps and all-reduce them once, at the accumulation
+  boundary; each rank copies its piece (stage 0: everything) into its gradient shard;
+- stage 2 reduce-scatters every micro-step into the rank's piece and adds it to the gradient shard, so no rank
+  keeps a full gradient beyond the buckets in flight.
+
+[Note: fixed launch order]
+Buckets are launched in reverse layout order (the order backward usually completes them), and bucket k only
+after every bucket before it in that order: a collective is issued in the same sequence on every rank, whatever
+order the hooks fire in. With overlap_comm the launches are asynchronous and happen inside backward, as soon as
+the prefix is complete; without it they happen after backward. finish_backward() launches what is left (buckets
+with unused parameters contribute zeros) and waits for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.zero import collectives
+from infinity.zero.collectives import Comm, Pending
+from infinity.zero.partition import Bucket, GroupLayout
+
+
+@dataclass(slots=True)
+class _BucketState:
+    bucket: Bucket
+    expected: int  # parameters of the bucket that require grad
+    arrived: int = 0
+    buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device
+    launched: bool = False
+
+
+@dataclass(slots=True)
+class GradientReducer:
+    comm: Comm
+    stage: int
+    layouts: tuple[GroupLayout, ...]
+    grad_shards: list[torch.Tensor]  # per group: (shard_numel,) fp32, where this rank's reduced gradient goes
+    shard_rank: int  # piece index of this rank (0 at stage 0: every rank holds everything)
+    device: torch.device
+    overlap_comm: bool
+    _states: list[_BucketState] = field(default_factory=list)
+    _order: list[int] = field(default_factory=list)  # launch order: indices into _states
+    _next: int = 0
+    _pending: list[Pending] = field(default_factory=list)
+    reduce_this_backward: bool = False
+
+    def __post_init__(self) -> None:
+        for layout in self.layouts:
+            for bucket in layout.buckets:
+                self._states.append(_BucketState(bucket=bucket, expected=len(bucket.slots)))
+        self._order = list(reversed(range(len(self._states))))
+
+    def state_index(self, group: int, bucket: int) -> int:
+        return sum(len(layout.buckets) for layout in self.layouts[:group]) + bucket
+
+    # ---- called by the engine around each backward ----
+    def begin_backward(self, *, boundary: bool) -> None:
+        """Stage 2 reduces every micro-step; stages 0/1 only at the accumulation boundary."""
+        self.reduce_this_backward = self.stage == 2 or boundary
+        self._next = 0
+        for state in self._states:
+            state.arrived = 0
+            state.launched = False
+
+    def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
+        """Called from the parameter's post-accumulate-grad hook."""
+        state = self._states[state_index]
+        if state.buffer is None:
+            state.buffer = torch.zeros(state.bucket.padded_numel, dtype=torch.float32, device=self.device)
+        state.buffer[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        if not self.reduce_this_backward:
+            return
+        state.arrived += 1
+        if self.overlap_comm and state.arrived == state.expected:
+            self._launch_ready_prefix(complete_only=True)
+
+    def finish_backward(self) -> None:
+        if not self.reduce_this_backward:
+            return
+        self._launch_ready_prefix(complete_only=False)
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+
+    # ---- internals ----
+    def _launch_ready_prefix(self, *, complete_only: bool) -> None:
+        while self._next < len(self._order):
+            state = self._states[self._order[self._next]]
+            if complete_only and state.arrived < state.expected:
+                return
+            self._launch(state, async_op=self.overlap_comm)
+            self._next += 1
+
+    def _launch(self, state: _BucketState, *, async_op: bool) -> None:
+        bucket = state.bucket
+        if state.buffer is None:  # no parameter of this bucket got a gradient: it contributes zeros
+            state.buffer = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=self.device)
+        shard = self.grad_shards[bucket.group]
+        target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+        buffer = state.buffer
+        state.launched = True
+        if self.stage == 2:
+            piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
+            pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
+            state.buffer = None  # freed once the collective is done with it
+
+            def finish(pending=pending, piece=piece, target=target):
+                pending.wait()
+                target.add_(piece.to(target.device, non_blocking=True))
+
+        else:
+            pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)
+            start, end = bucket.piece_range(self.shard_rank)
+
+            def finish(pending=pending, buffer=buffer, target=target, start=start, end=end):
+                pending.wait()
+                target.copy_(buffer[start:end], non_blocking=True)
+                buffer.zero_()  # the accumulation restarts after every boundary
+
+        self._pending.append(Pending(None, finish))
+
+    def has_buffers(self) -> int:
+        """Bytes of gradient buffers currently held (stage 0/1: full; stage 2: none between micro-steps)."""
+        return sum(s.buffer.numel() * 4 for s in self._states if s.buffer is not None)

@@ -1,0 +1,58 @@
+"""Run a function in N real processes over gloo, with a hard timeout, and collect what each returns.
+
+Processes are spawned (fresh interpreters), rendezvous through a file, and return results through files:
+no mocked collectives. A run that exceeds its timeout is killed and fails the test (a hang is a bug).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    result_path = os.path.join(workdir, f"result-{rank}.pkl")
+    try:
+        if world_size > 1:
+            dist.init_process_group(
+                "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size
+            )
+        result = fn(rank=rank, world_size=world_size, **kwargs)
+        payload = ("ok", result)
+    except BaseException:  # noqa: BLE001 - report anything to the parent
+        payload = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(result_path, "wb") as f:
+        pickle.dump(payload, f)
+
+
+def run_distributed(fn, world_size: int, workdir, *, timeout_s: float = 300.0, **kwargs) -> list:
+    """fn(rank=, world_size=, **kwargs) in each process; returns the per-rank results."""
+    workdir = str(workdir)
+    context = mp.start_processes(
+        _entry, args=(world_size, workdir, fn, kwargs), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"distributed run did not finish in {timeout_s:.0f} s (a hang?)")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(workdir, f"result-{rank}.pkl"), "rb") as f:
+            status, value = pickle.load(f)
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results.append(value)
+    return results
