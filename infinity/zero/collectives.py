@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the flat-tensor collectives *_single (the *_tensor names warn); older releases lack them.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True, slots=True)
 class Comm:
@@ -46,7 +50,7 @@ def reduce_scatter_mean(comm: Comm, output: torch.Tensor, flat: torch.Tensor, *,
     if not comm.active:
         output.copy_(flat)
         return Pending(None)
-    work = dist.reduce_scatter_tensor(output, flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
+    work = _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
     return Pending(work, lambda: output.div_(comm.world_size)) if async_op else _done(output.div_(comm.world_size))
 
 
@@ -62,7 +66,7 @@ def all_gather_pieces(comm: Comm, flat: torch.Tensor, piece: torch.Tensor, *, as
     if not comm.active:
         flat.copy_(piece)
         return Pending(None)
-    return Pending(dist.all_gather_into_tensor(flat, piece, group=comm.group, async_op=async_op))
+    return Pending(_all_gather(flat, piece, group=comm.group, async_op=async_op))
 
 
 def all_reduce_sum_(comm: Comm, tensor: torch.Tensor) -> torch.Tensor:

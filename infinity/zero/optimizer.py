@@ -139,7 +139,7 @@ class ZeroOptimizer:
         """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for grad in self.grad_shards:
-            squares += grad.double().pow(2).sum().to(self.device)
+            squares += torch.linalg.vector_norm(grad).double().to(self.device) ** 2
         if self.stage > 0:
             collectives.all_reduce_sum_(self.comm, squares)
         return math.sqrt(squares.item())
@@ -150,10 +150,10 @@ class ZeroOptimizer:
         for master, layout, weights in zip(self.masters, self.layouts, self.weights, strict=True):
             for bucket, flat in zip(layout.buckets, weights, strict=True):
                 piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
-                piece = piece.to(device=self.device, dtype=self.compute_dtype)
-                if self.stage == 0:
-                    flat.copy_(piece)
+                if self.stage == 0 or not self.comm.active:
+                    flat.copy_(piece)  # every element is ours: convert in place, nothing to gather
                 else:
+                    piece = piece.to(device=self.device, dtype=self.compute_dtype)
                     pending.append(collectives.all_gather_pieces(self.comm, flat, piece, async_op=True))
         for item in pending:
             item.wait()

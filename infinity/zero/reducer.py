@@ -31,7 +31,8 @@ class _BucketState:
     bucket: Bucket
     expected: int  # parameters of the bucket that require grad
     arrived: int = 0
-    buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device
+    buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device; padding always zero
+    written: set[int] = field(default_factory=set)  # slot offsets holding a gradient since the last reduction
     launched: bool = False
 
 
@@ -48,6 +49,7 @@ class GradientReducer:
     _order: list[int] = field(default_factory=list)  # launch order: indices into _states
     _next: int = 0
     _pending: list[Pending] = field(default_factory=list)
+    _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # stage 2: reusable buffers by size
     reduce_this_backward: bool = False
 
     def __post_init__(self) -> None:
@@ -72,8 +74,13 @@ class GradientReducer:
         """Called from the parameter's post-accumulate-grad hook."""
         state = self._states[state_index]
         if state.buffer is None:
-            state.buffer = torch.zeros(state.bucket.padded_numel, dtype=torch.float32, device=self.device)
-        state.buffer[offset : offset + grad.numel()].add_(grad.reshape(-1))
+            state.buffer = self._acquire(state.bucket.padded_numel)
+        target = state.buffer[offset : offset + grad.numel()]
+        if offset in state.written:
+            target.add_(grad.reshape(-1))
+        else:  # first gradient for this slot since the last reduction: no need to zero first
+            target.copy_(grad.reshape(-1))
+            state.written.add(offset)
         if not self.reduce_this_backward:
             return
         state.arrived += 1
@@ -99,8 +106,12 @@ class GradientReducer:
 
     def _launch(self, state: _BucketState, *, async_op: bool) -> None:
         bucket = state.bucket
-        if state.buffer is None:  # no parameter of this bucket got a gradient: it contributes zeros
-            state.buffer = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=self.device)
+        if state.buffer is None:
+            state.buffer = self._acquire(bucket.padded_numel)
+        for slot in bucket.slots:  # parameters that got no gradient contribute zeros
+            if slot.offset not in state.written:
+                state.buffer[slot.offset : slot.offset + slot.numel].zero_()
+        state.written.clear()
         shard = self.grad_shards[bucket.group]
         target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
         buffer = state.buffer
@@ -108,11 +119,12 @@ class GradientReducer:
         if self.stage == 2:
             piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
-            state.buffer = None  # freed once the collective is done with it
+            state.buffer = None  # back to the spares once the collective is done with it
 
-            def finish(pending=pending, piece=piece, target=target):
+            def finish(pending=pending, piece=piece, target=target, buffer=buffer):
                 pending.wait()
                 target.add_(piece.to(target.device, non_blocking=True))
+                self._spare.setdefault(buffer.numel(), []).append(buffer)
 
         else:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)
@@ -120,11 +132,18 @@ class GradientReducer:
 
             def finish(pending=pending, buffer=buffer, target=target, start=start, end=end):
                 pending.wait()
-                target.copy_(buffer[start:end], non_blocking=True)
-                buffer.zero_()  # the accumulation restarts after every boundary
+                target.copy_(buffer[start:end], non_blocking=True)  # the next window overwrites, then adds
 
         self._pending.append(Pending(None, finish))
 
-    def has_buffers(self) -> int:
+    def _acquire(self, numel: int) -> torch.Tensor:
+        """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps) or a new one.
+        Only the padding must be zero; every slot is overwritten before it is read."""
+        spares = self._spare.get(numel)
+        if spares:
+            return spares.pop()
+        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+
+    def buffer_bytes(self) -> int:
         """Bytes of gradient buffers currently held (stage 0/1: full; stage 2: none between micro-steps)."""
         return sum(s.buffer.numel() * 4 for s in self._states if s.buffer is not None)
