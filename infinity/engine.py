@@ -155,6 +155,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_started = time.perf_counter()
+        self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
 
     # ---- DeepSpeed's getters ----
     def train_batch_size(self) -> int:
@@ -201,15 +202,18 @@ class Engine(nn.Module):
         """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        start = time.perf_counter()
         reducer = self.zero_optimizer.reducer
         reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         (loss.float() * scale).backward()
         reducer.finish_backward()
+        self._phase_seconds["backward"] += time.perf_counter() - start
         return loss
 
     def step(self) -> None:
         """The optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        start = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
             result = self.zero_optimizer.step(
                 loss_scale=self.loss_scaler.scale,
@@ -227,6 +231,7 @@ class Engine(nn.Module):
                     "step %d skipped: fp16 overflow; loss scale now %g", self.global_steps, self.loss_scaler.scale
                 )
             self.global_steps += 1
+            self._phase_seconds["step"] += time.perf_counter() - start
             if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
                 self._report()
         self.micro_steps += 1
@@ -241,6 +246,13 @@ class Engine(nn.Module):
             self.last_grad_norm,
             elapsed / self.config.steps_per_print,
         )
+        if self.config.wall_clock_breakdown:
+            per_step = {k: v / self.config.steps_per_print for k, v in self._phase_seconds.items()}
+            logger.info(
+                "time per step: forward %.3f s, backward (with gradient reduction) %.3f s, optimizer step %.3f s",
+                per_step["forward"], per_step["backward"], per_step["step"],
+            )  # fmt: skip
+        self._phase_seconds = dict.fromkeys(self._phase_seconds, 0.0)
         self._step_started = time.perf_counter()
 
     def _dataloader(self, training_data, collate_fn):

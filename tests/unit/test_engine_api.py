@@ -91,3 +91,13 @@ def test_unknown_initialize_argument_and_missing_optimizer():
 def test_not_yet_implemented_modes_are_refused_clearly():
     with pytest.raises(ConfigError, match="stage 3 is not implemented"):
         infinity.initialize(model=mlp(), config=base(zero_optimization={"stage": 3}))
+
+
+def test_wall_clock_breakdown_is_reported(caplog):
+    config = base(steps_per_print=2, wall_clock_breakdown=True)
+    engine, *_ = infinity.initialize(model=mlp(), config=config)
+    with caplog.at_level("INFO", logger="infinity"):
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+    assert any("forward" in r.message and "optimizer step" in r.message for r in caplog.records)
