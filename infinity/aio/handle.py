@@ -76,8 +76,8 @@ class AioSettings:
 
     @property
     def staging_bytes(self) -> int:
-        """A staging buffer holds one full queue, so staged I/O still keeps the queue full."""
-        return max(MIN_STAGING_BYTES, self.block_size * self.queue_depth)
+        """Two halves (copy one while the other is in I/O), each holding a full queue of requests."""
+        return 2 * max(MIN_STAGING_BYTES, self.block_size * self.queue_depth)
 
 
 class _Worker:
@@ -86,6 +86,8 @@ class _Worker:
     def __init__(self, index: int, settings: AioSettings) -> None:
         self.context = core.AioContext(settings.queue_depth)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infinity-aio-{index}")
+        # Staged requests copy one half of the staging buffer while this thread does the other half's I/O.
+        self.io_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infinity-aio-{index}-io")
         self._staging_bytes = settings.staging_bytes
         self._staging: HostBuffer | None = None
 
@@ -96,6 +98,7 @@ class _Worker:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)  # in-flight slices finish before their context goes
+        self.io_thread.shutdown(wait=True)
         self.context.close()
         if self._staging is not None:
             self._staging.release()
@@ -391,40 +394,52 @@ class AioHandle:
                 self._staged(worker, request, start + direct_len, rest, direct=False)
 
     def _staged(self, worker: _Worker, request: _Request, start: int, length: int, *, direct: bool) -> None:
-        """Moves memory[start:start+length] through the worker's aligned staging buffer, chunk by chunk."""
+        """Moves memory[start:start+length] through the worker's aligned staging buffer.
+
+        The buffer is used as two halves: while one half's I/O runs on the worker's I/O thread, this thread
+        copies the next chunk into (writes) or out of (reads) the other half. Chunks are multiples of 4 KiB."""
         staging = worker.staging()
-        chunk = staging.nbytes
-        done = 0
-        while done < length:
-            n = min(chunk, length - done)
-            user = request.memory[start + done : start + done + n]
-            bounce = staging.data[:n]
-            if request.is_write:
-                bounce.copy_(user)
+        half = staging.nbytes // 2 // IO_ALIGNMENT * IO_ALIGNMENT
+        halves = (staging.data[:half], staging.data[half : 2 * half])
+        chunks = [(done, min(half, length - done)) for done in range(0, length, half)]
+
+        def io(index: int):
+            done, n = chunks[index]
+            buffer = halves[index % 2]
             file_offset = request.offset + start + done
             if direct:
                 core.rw_direct(
-                    worker.context,
-                    request.file.direct_fd,
-                    is_write=request.is_write,
-                    address=staging.address,
-                    nbytes=n,
-                    offset=file_offset,
-                    settings=self.settings.loop,
-                    path=request.path,
-                )
+                    worker.context, request.file.direct_fd, is_write=request.is_write, address=buffer.data_ptr(),
+                    nbytes=n, offset=file_offset, settings=self.settings.loop, path=request.path,
+                )  # fmt: skip
             else:
                 core.rw_buffered(
-                    request.file.buffered_fd,
-                    is_write=request.is_write,
-                    address=staging.address,
-                    nbytes=n,
-                    offset=file_offset,
-                    path=request.path,
-                )
-            if not request.is_write:
-                user.copy_(bounce)
-            done += n
+                    request.file.buffered_fd, is_write=request.is_write, address=buffer.data_ptr(), nbytes=n,
+                    offset=file_offset, path=request.path,
+                )  # fmt: skip
+
+        def user(index: int) -> torch.Tensor:
+            done, n = chunks[index]
+            return request.memory[start + done : start + done + n]
+
+        in_flight = None
+        try:
+            if request.is_write:
+                for index in range(len(chunks)):
+                    halves[index % 2][: chunks[index][1]].copy_(user(index))  # the other half may be in I/O
+                    if in_flight is not None:
+                        in_flight.result()
+                    in_flight = worker.io_thread.submit(io, index)
+                in_flight.result()
+            else:
+                in_flight = worker.io_thread.submit(io, 0)
+                for index in range(len(chunks)):
+                    in_flight.result()
+                    in_flight = worker.io_thread.submit(io, index + 1) if index + 1 < len(chunks) else None
+                    user(index).copy_(halves[index % 2][: chunks[index][1]])
+        finally:
+            if in_flight is not None:  # an error stopped the loop: never leave I/O running into our buffer
+                in_flight.exception()
 
 
 def _close_workers(workers: list[_Worker]) -> None:
