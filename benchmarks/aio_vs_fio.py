@@ -1,6 +1,6 @@
 """infinity's async I/O engine vs fio vs naive Python I/O, side by side on one file.
 
-For read and write at 1 MiB and 4 MiB blocks, queue depth 8 and 32, it alternates run by run:
+For read and write at 1 MiB and 4 MiB blocks, queue depth 8 and 32, each run measures, in a balanced order
   - infinity, streaming through one buffer slot per request in flight (fio's memory footprint);
   - fio (libaio, direct=1) with its default buffers and with huge-page buffers (--iomem=shmhuge);
   - infinity reading/writing one tensor as large as the file (how DeepSpeed's benchmark measures).
@@ -8,7 +8,7 @@ The target row figure is infinity (same footprint as fio) / the better fio mode.
 are torch.save/torch.load and numpy tofile/fromfile of a tensor as large as the file, timed to
 durable completion (fsync) and read from a cold page cache. Medians of --runs; GB/s = 1e9 bytes/s.
 
-    python benchmarks/aio_vs_fio.py --io-size 8G --runs 5
+    python benchmarks/aio_vs_fio.py --io-size 8G --runs 8
 """
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ ROWS = [
 ]
 
 
+def williams_order(n: int, run_index: int) -> list[int]:
+    """[Note: run order] A pass leaves the disk busy (the host is still absorbing its writes), so whoever runs
+    next pays for it. Rotating a fixed order would give each contender the same predecessor every time, a
+    bias that lands on the write rows. A Williams square (n even) makes every ordered pair of neighbours occur
+    exactly once in n runs, so each contender follows each other one equally often."""
+    first = [0]
+    for k in range(1, n):
+        first.append(first[-1] + (k if k % 2 else n - k))
+    first = [x % n for x in first]
+    return [(x + run_index) % n for x in first]
+
+
 def time_naive(path: str, tensor: torch.Tensor, kind: str, op: str) -> float:
     nbytes = tensor.numel()
     if op == "read":
@@ -77,10 +89,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--io-size", type=parse_size, default=parse_size("8G"))
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=8, help="a multiple of 4 balances the run order")
     parser.add_argument("--folder", default=None, help="where the test file goes (default: here)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--naive-runs", type=int, default=3, help="runs of each naive baseline (slow at 8G)")
     args = parser.parse_args()
     if not shutil.which("fio"):
         sys.exit("fio is not on PATH (Debian package: fio); this benchmark compares against it")
@@ -114,9 +127,9 @@ def main() -> int:
                     del contenders["fio_hugepage"]
                 names = list(contenders)
                 for run_index in range(args.runs):
-                    # Rotate who goes first: the disk drifts over minutes, no contender should own a slot.
-                    for name in names[run_index % len(names) :] + names[: run_index % len(names)]:
-                        runs[name].append(contenders[name]())
+                    # See [Note: run order]: every contender follows every other one equally often.
+                    for position in williams_order(len(names), run_index):
+                        runs[names[position]].append(contenders[names[position]]())
                 medians = {k: statistics.median(v) for k, v in runs.items() if v}
                 best_fio = max(medians.get("fio_default", 0), medians.get("fio_hugepage", 0))
                 row = {
@@ -145,7 +158,7 @@ def main() -> int:
             naive_path = os.path.join(workdir, "naive.bin")
             for kind in ("torch", "numpy"):
                 for op in ("write", "read"):
-                    values = [time_naive(naive_path, tensor, kind, op) for _ in range(args.runs)]
+                    values = [time_naive(naive_path, tensor, kind, op) for _ in range(args.naive_runs)]
                     results["naive"][f"{kind}_{op}"] = {
                         "runs_gbps": values,
                         "median_gbps": statistics.median(values),
