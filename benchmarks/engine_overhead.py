@@ -125,6 +125,7 @@ def worker(rank: int, world_size: int, workdir: str, steps: int, warmup: int, th
             print(f"  world {world_size}: plain vs {variant}", file=sys.stderr, flush=True)
         results[variant] = run_pair(variant, rank, world_size, steps, warmup)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears gloo down under a peer
         dist.destroy_process_group()
     with open(os.path.join(workdir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)

@@ -26,6 +26,10 @@ def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict) -> None:
                 "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size
             )
         result = fn(rank=rank, world_size=world_size, **kwargs)
+        if dist.is_initialized():
+            # Nobody tears gloo down while a peer still uses the connection: gloo aborts (SIGABRT) on a
+            # pair closed under it. Only on success: after an error the peer may never arrive.
+            dist.barrier()
         payload = ("ok", result)
     except BaseException:  # noqa: BLE001 - report anything to the parent
         payload = ("error", traceback.format_exc())
