@@ -61,7 +61,7 @@ class AioContext:
         self.closed = False
 
 
-def _raise_for_status(status, *, kind: int, is_write: bool, path: str, nbytes: int, offset: int) -> None:
+def _raise_for_status(status, *, kind: int, is_write: bool, path: str, offset: int) -> None:
     op = "write" if is_write else "read"
     fail_offset = int(status.fail_offset) if status.fail_offset >= 0 else offset
     length = int(status.fail_length)
@@ -129,7 +129,7 @@ def rw_direct(
         if kind == lib.INF_ERR_REAP:
             context.recreate()
     if kind:
-        _raise_for_status(status, kind=kind, is_write=is_write, path=path, nbytes=nbytes, offset=offset)
+        _raise_for_status(status, kind=kind, is_write=is_write, path=path, offset=offset)
 
 
 def rw_buffered(fd: int, *, is_write: bool, address: int, nbytes: int, offset: int, path: str) -> None:
@@ -137,4 +137,4 @@ def rw_buffered(fd: int, *, is_write: bool, address: int, nbytes: int, offset: i
     status = ffi.new("inf_status *")
     kind = lib.inf_rw_buffered(fd, int(is_write), ffi.cast("void *", address), nbytes, offset, status)
     if kind:
-        _raise_for_status(status, kind=kind, is_write=is_write, path=path, nbytes=nbytes, offset=offset)
+        _raise_for_status(status, kind=kind, is_write=is_write, path=path, offset=offset)

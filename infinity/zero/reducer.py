@@ -33,7 +33,6 @@ class _BucketState:
     arrived: int = 0
     buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device; padding always zero
     written: set[int] = field(default_factory=set)  # slot offsets holding a gradient since the last reduction
-    launched: bool = False
 
 
 @dataclass(slots=True)
@@ -68,7 +67,6 @@ class GradientReducer:
         self._next = 0
         for state in self._states:
             state.arrived = 0
-            state.launched = False
 
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
         """Called from the parameter's post-accumulate-grad hook."""
@@ -115,7 +113,6 @@ class GradientReducer:
         shard = self.grad_shards[bucket.group]
         target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
         buffer = state.buffer
-        state.launched = True
         if self.stage == 2:
             piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
