@@ -573,11 +573,15 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    if zero.offload_optimizer.device == "nvme" or zero.stage == 3:
-        what = "zero_optimization.stage 3" if zero.stage == 3 else "zero_optimization.offload_optimizer.device nvme"
+    if zero.offload_optimizer.device == "nvme":
         raise ConfigError(
-            f"{what} is not implemented in this version of infinity yet; use stage 1 or 2 with "
-            "offload_optimizer device cpu"
+            "zero_optimization.offload_optimizer.device nvme is not implemented in this version of infinity yet; "
+            "use device cpu"
+        )
+    if zero.offload_param.enabled:
+        raise ConfigError(
+            f"zero_optimization.offload_param.device {zero.offload_param.device!r} is not implemented in this "
+            "version of infinity yet; remove offload_param (stage 3 keeps the parameter shards in device memory)"
         )
     return Config(
         train_batch_size=train,

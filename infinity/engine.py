@@ -24,7 +24,10 @@ from infinity.distributed import compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
 from infinity.precision import LossScaler, compute_dtype
-from infinity.zero.optimizer import ZeroOptimizer
+from infinity.zero.coordinator import FetchStats
+from infinity.zero.init import materialize
+from infinity.zero.optimizer import UnitOptimizer, ZeroOptimizer
+from infinity.zero.stage3 import Stage3, setup_stage3
 
 logger = logging.getLogger("infinity")
 
@@ -133,14 +136,29 @@ class Engine(nn.Module):
             torch_optimizer = build_optimizer(self.config, groups, on_cpu=on_cpu)
         else:
             raise ConfigError('no optimizer: pass optimizer= to initialize() or add an "optimizer" section')
-        self.zero_optimizer = ZeroOptimizer(
-            torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype, device=self.device,
-            bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-            offload=zero.offload_optimizer.enabled,
-        )  # fmt: skip
-        for param in self.module.parameters():
-            if not param.requires_grad and param.is_floating_point():
-                param.data = param.data.to(self.compute_dtype)
+        self.stage3: Stage3 | None = None
+        offload = zero.offload_optimizer.enabled
+        if zero.stage == 3:
+            self.stage3, shard_fp32 = setup_stage3(
+                self.module, comm=self.comm, zero=zero, dtype=self.compute_dtype, device=self.device,
+                full_value=materialize,
+            )  # fmt: skip
+            self.zero_optimizer = UnitOptimizer(
+                torch_optimizer, comm=self.comm, table=self.stage3.table, shard_fp32=shard_fp32,
+                compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
+                on_grads_done=self.stage3.coordinator.on_grads_done,
+            )  # fmt: skip
+            self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
+            del shard_fp32
+        else:
+            self.zero_optimizer = ZeroOptimizer(
+                torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,
+                device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+                offload=offload,
+            )  # fmt: skip
+            for param in self.module.parameters():
+                if not param.requires_grad and param.is_floating_point():
+                    param.data = param.data.to(self.compute_dtype)
         self.optimizer = self.zero_optimizer
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         if self.config.scheduler is not None:
@@ -155,6 +173,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_started = time.perf_counter()
+        self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
 
     # ---- DeepSpeed's getters ----
@@ -207,6 +226,8 @@ class Engine(nn.Module):
         reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         (loss.float() * scale).backward()
+        if self.stage3 is not None:
+            self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
         reducer.finish_backward()
         self._phase_seconds["backward"] += time.perf_counter() - start
         return loss
@@ -231,6 +252,8 @@ class Engine(nn.Module):
                     "step %d skipped: fp16 overflow; loss scale now %g", self.global_steps, self.loss_scaler.scale
                 )
             self.global_steps += 1
+            if self.stage3 is not None:
+                self._fetch_stats = self.stage3.coordinator.take_step_stats()
             self._phase_seconds["step"] += time.perf_counter() - start
             if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
                 self._report()
@@ -252,8 +275,59 @@ class Engine(nn.Module):
                 "time per step: forward %.3f s, backward (with gradient reduction) %.3f s, optimizer step %.3f s",
                 per_step["forward"], per_step["backward"], per_step["step"],
             )  # fmt: skip
+        if self.stage3 is not None:
+            stats = self._fetch_stats
+            logger.info(
+                "ZeRO-3 last step: %d fetches, %.0f%% prefetched or kept gathered, %d elements gathered, peak %d "
+                "live, %.3f s blocked on fetches",
+                stats.fetches, 100 * stats.prefetched_fraction, stats.gathered_numel, stats.peak_live_numel,
+                stats.blocked_s,
+            )  # fmt: skip
         self._phase_seconds = dict.fromkeys(self._phase_seconds, 0.0)
         self._step_started = time.perf_counter()
+
+    def zero_stats(self) -> dict:
+        """ZeRO-3 fetch telemetry of the last optimizer step (all its micro-steps); empty below stage 3."""
+        return self._fetch_stats.as_dict() if self.stage3 is not None else {}
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+        """The model's state dict in the compute dtype, in one file written by rank 0. At stage 3 the weights are
+        gathered one unit at a time (other ranks hold at most one unit more) and only with
+        stage3_gather_16bit_weights_on_model_save; without it this returns False, as DeepSpeed does."""
+        if self.stage3 is not None and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
+            logger.warning(
+                "save_16bit_model: nothing saved; at stage 3 it needs "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save true"
+            )
+            return False
+        names: dict[int, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        state: dict[str, torch.Tensor] = {}
+
+        def take(param: torch.Tensor) -> None:
+            if self.comm.rank == 0:
+                value = param.detach().to("cpu", copy=True)
+                for name in names.get(id(param), []):
+                    state[name] = value
+
+        if self.stage3 is None:
+            for param in self.module.parameters():
+                take(param)
+        else:
+            for unit in self.stage3.table.units:
+                gathered = self.stage3.gather(unit.params)
+                for param in unit.params:
+                    take(param)
+                self.stage3.partition(gathered, modifier_rank=None)
+        if self.comm.rank != 0:
+            return True
+        for name, buffer in self.module.named_buffers():
+            state[name] = buffer.detach().to("cpu", copy=True)
+        ordered = {key: state[key] for key in self.module.state_dict(keep_vars=True) if key in state}
+        os.makedirs(save_dir, exist_ok=True)
+        torch.save(ordered, os.path.join(save_dir, save_filename))
+        return True
 
     def _dataloader(self, training_data, collate_fn):
         if training_data is None or isinstance(training_data, torch.utils.data.DataLoader):
@@ -274,6 +348,8 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         self.zero_optimizer.close()
+        if self.stage3 is not None:
+            self.stage3.close()
 
 
 def initialize(

@@ -1,1 +1,5 @@
-"""ZeRO: partitioning of optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)."""
+"""ZeRO: partitioned optimizer states, gradients (stages 1-2) and parameters (stage 3)."""
+
+from infinity.zero.init import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init"]

@@ -1,4 +1,4 @@
-"""The partitioned optimizer for ZeRO stages 0-2 (optionally offloaded to host memory).
+"""The partitioned optimizer for ZeRO stages 0-3 (optionally offloaded to host memory).
 
 Layout (see [Note: bucket-sharded layout] in partition.py): the model's trainable parameters become views into
 flat per-bucket weight buffers in the compute dtype; each rank keeps an fp32 master copy of its pieces (stage 0:
@@ -11,15 +11,18 @@ optimizer on the master shard (on the host with offload) -> new low-precision pi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from infinity.errors import ConfigError
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
-from infinity.zero.partition import GroupLayout, plan
+from infinity.zero.partition import Bucket, GroupLayout, ParamSlot, overlap, plan
 from infinity.zero.reducer import GradientReducer
+from infinity.zero.units import Unit, UnitTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +31,89 @@ class StepResult:
     grad_norm: float  # global L2 norm of the (unscaled) gradient, before clipping
 
 
-class ZeroOptimizer:
-    """Owns master weights, gradient shards and the optimizer step for stages 0, 1 and 2."""
+class PartitionedOptimizer:
+    """The step shared by every stage: fp32 masters and gradient shards per param group, the user's optimizer
+    re-pointed at the masters. Subclasses lay the shards out and publish the new weights."""
+
+    optimizer: torch.optim.Optimizer
+    comm: Comm
+    stage: int
+    device: torch.device
+    masters: list[nn.Parameter]
+    grad_shards: list[torch.Tensor]
+    reducer: GradientReducer
+
+    # ---- the step ----
+    def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
+        self._collect_grads()
+        if loss_scale != 1.0:
+            for grad in self.grad_shards:
+                grad.mul_(1.0 / loss_scale)
+        if check_overflow and self._overflow_anywhere():
+            self.zero_grad()
+            return StepResult(stepped=False, grad_norm=math.inf)
+        norm = self.global_grad_norm()
+        if clip_norm > 0:
+            coefficient = min(clip_norm / (norm + 1e-6), 1.0)
+            if coefficient < 1.0:
+                for grad in self.grad_shards:
+                    grad.mul_(coefficient)
+        for master, grad in zip(self.masters, self.grad_shards, strict=True):
+            master.grad = grad
+        self.optimizer.step()
+        for master in self.masters:
+            master.grad = None
+        self._publish_weights()
+        self.zero_grad()
+        return StepResult(stepped=True, grad_norm=norm)
+
+    def _collect_grads(self) -> None:
+        """Brings the reduced gradients into grad_shards (stages 0-2 reduce straight into them)."""
+
+    def _publish_weights(self) -> None:
+        raise NotImplementedError
+
+    def _overflow_anywhere(self) -> bool:
+        local = any(not torch.isfinite(grad).all() for grad in self.grad_shards)
+        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        return bool(collectives.all_reduce_max_(self.comm, flag).item())
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for grad in self.grad_shards:
+            squares += torch.linalg.vector_norm(grad).double().to(self.device) ** 2
+        if self.stage > 0:
+            collectives.all_reduce_sum_(self.comm, squares)
+        return math.sqrt(squares.item())
+
+    def zero_grad(self) -> None:
+        for grad in self.grad_shards:
+            grad.zero_()
+
+    # ---- accounting ----
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: fp32 masters plus every optimizer state tensor."""
+        total = sum(m.numel() * m.element_size() for m in self.masters)
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        return total
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+
+class ZeroOptimizer(PartitionedOptimizer):
+    """Stages 0, 1 and 2: parameters are views into per-bucket flat weights, complete on every rank."""
 
     def __init__(
         self,
@@ -107,43 +191,6 @@ class ZeroOptimizer:
 
         return hook
 
-    # ---- the step ----
-    def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
-        if loss_scale != 1.0:
-            for grad in self.grad_shards:
-                grad.mul_(1.0 / loss_scale)
-        if check_overflow and self._overflow_anywhere():
-            self.zero_grad()
-            return StepResult(stepped=False, grad_norm=math.inf)
-        norm = self.global_grad_norm()
-        if clip_norm > 0:
-            coefficient = min(clip_norm / (norm + 1e-6), 1.0)
-            if coefficient < 1.0:
-                for grad in self.grad_shards:
-                    grad.mul_(coefficient)
-        for master, grad in zip(self.masters, self.grad_shards, strict=True):
-            master.grad = grad
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self._publish_weights()
-        self.zero_grad()
-        return StepResult(stepped=True, grad_norm=norm)
-
-    def _overflow_anywhere(self) -> bool:
-        local = any(not torch.isfinite(grad).all() for grad in self.grad_shards)
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
-        return bool(collectives.all_reduce_max_(self.comm, flag).item())
-
-    def global_grad_norm(self) -> float:
-        """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for grad in self.grad_shards:
-            squares += torch.linalg.vector_norm(grad).double().to(self.device) ** 2
-        if self.stage > 0:
-            collectives.all_reduce_sum_(self.comm, squares)
-        return math.sqrt(squares.item())
-
     def _publish_weights(self) -> None:
         """New low-precision pieces from the masters, gathered so every rank has the full weights."""
         pending = []
@@ -158,26 +205,119 @@ class ZeroOptimizer:
         for item in pending:
             item.wait()
 
+
+class UnitOptimizer(PartitionedOptimizer):
+    """Stage 3: the rank's shard is the concatenation of its pieces of every unit ([Note: units] in units.py).
+
+    Units follow modules, optimizer param groups follow the user: a unit can hold parameters of several groups
+    (a Linear's weight with decay, its bias without). Each group's master is a gather of the group's elements of
+    the shard (``_index[g]``, positions in the flat shard); gradients are gathered the same way before the step
+    and the new weights scattered back into the compute-dtype shard after it."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        comm: Comm,
+        table: UnitTable,
+        shard_fp32: torch.Tensor,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        overlap_comm: bool,
+        offload: bool,
+        on_grads_done: Callable[[int], None],
+    ) -> None:
+        self.optimizer = optimizer
+        self.comm = comm
+        self.stage = 3
+        self.device = device
+        self.table = table
+        self.compute_dtype = compute_dtype
+        master_device = torch.device("cpu") if offload else device
+        groups = [list(g["params"]) for g in optimizer.param_groups]
+        expected = [0] * len(table.units)
+        owner: dict[int, int] = {}
+        self._index: list[torch.Tensor] = []
+        for g, params in enumerate(groups):
+            positions = []
+            for param in params:
+                found = table.unit_of(param)
+                if found is None:
+                    raise ConfigError("an optimizer parameter is not a parameter of the model; pass model.parameters()")
+                if owner.setdefault(id(param), g) != g:
+                    raise ConfigError(f"a parameter appears in optimizer param groups {owner[id(param)]} and {g}")
+                unit, position = found
+                expected[unit.index] += 1
+                positions.append(_piece_positions(unit.bucket, unit.bucket.slots[position], comm.rank))
+            self._index.append(torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long))
+        orphans = [p for p in table.parameters() if p.requires_grad and id(p) not in owner]
+        if orphans:
+            raise ConfigError(
+                f"{len(orphans)} parameter(s) require grad but are in no optimizer param group (first: shape "
+                f"{tuple(orphans[0].ds_shape)}); pass them to the optimizer or set requires_grad=False"
+            )
+        self._index_master = [index.to(master_device) for index in self._index]
+        self.masters = [nn.Parameter(shard_fp32.to(master_device)[index]) for index in self._index_master]
+        self.grad_shards = [torch.zeros_like(master) for master in self.masters]
+        for group, master in zip(optimizer.param_groups, self.masters, strict=True):
+            group["params"] = [master]
+        optimizer.state.clear()
+        self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
+        self.reducer = GradientReducer(
+            comm=comm, stage=3, layouts=(table.layout,), grad_shards=[self.grad_flat], shard_rank=comm.rank,
+            device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False,
+        )  # fmt: skip
+        self._hooks = []
+        for params in groups:
+            for param in params:
+                unit, position = table.unit_of(param)
+                hook = self._make_hook(unit.index, unit.bucket.slots[position].offset, on_grads_done)
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    def _make_hook(self, unit_index: int, offset: int, on_grads_done):
+        reducer = self.reducer
+
+        def hook(param: torch.Tensor) -> None:
+            reducer.on_grad(unit_index, offset, param.grad)
+            param.grad = None
+            if reducer.is_complete(unit_index):
+                on_grads_done(unit_index)
+
+        return hook
+
+    def _collect_grads(self) -> None:
+        for grad, index in zip(self.grad_shards, self._index, strict=True):
+            grad.copy_(self.grad_flat.index_select(0, index))
+
+    def _publish_weights(self) -> None:
+        """New compute-dtype pieces into the shard; the persistent unit, always gathered, is gathered anew."""
+        flat = self.table.flat_shard
+        for master, index in zip(self.masters, self._index, strict=True):
+            flat.index_copy_(0, index, master.detach().to(device=flat.device, dtype=flat.dtype))
+        for unit in self.table.units:
+            if unit.persistent:
+                unit.gather(self.comm, async_op=False)
+
+    def load_unit_piece(self, unit: Unit) -> None:
+        """The unit's shard was edited (GatheredParameters with modifier_rank): masters follow."""
+        start = unit.bucket.shard_offset
+        end = start + unit.bucket.piece_numel
+        for master, index in zip(self.masters, self._index, strict=True):
+            inside = (index >= start) & (index < end)
+            if inside.any():
+                values = self.table.flat_shard[index[inside]].to(device=master.device, dtype=torch.float32)
+                master.data[inside.to(master.device)] = values
+
     def zero_grad(self) -> None:
-        for grad in self.grad_shards:
-            grad.zero_()
+        super().zero_grad()
+        self.grad_flat.zero_()
 
-    # ---- accounting ----
-    def state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: fp32 masters plus every optimizer state tensor."""
-        total = sum(m.numel() * m.element_size() for m in self.masters)
-        for state in self.optimizer.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-        return total
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+def _piece_positions(bucket: Bucket, slot: ParamSlot, rank: int) -> torch.Tensor:
+    """Positions in the rank's flat shard of the parameter's elements that fall in the rank's piece."""
+    start, end = bucket.piece_range(rank)
+    part = overlap(slot, start, end)
+    if part is None:
+        return torch.zeros(0, dtype=torch.long)
+    lo, hi = part
+    return torch.arange(bucket.shard_offset + lo - start, bucket.shard_offset + hi - start, dtype=torch.long)

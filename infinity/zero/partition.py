@@ -70,7 +70,13 @@ def plan_group(group: int, numels: list[int], *, world_size: int, bucket_numel: 
         current_numel += numel
     if current:
         runs.append(current)
+    return layout_from_runs(group, numels, runs, world_size=world_size)
 
+
+def layout_from_runs(group: int, numels: list[int], runs: list[list[int]], *, world_size: int) -> GroupLayout:
+    """One bucket per run of parameter indices (stage 3 passes one run per unit: [Note: units] in units.py)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     buckets = []
     shard_offset = 0
     for bucket_index, members in enumerate(runs):

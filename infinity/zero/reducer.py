@@ -1,11 +1,11 @@
-"""Gradient reduction for ZeRO stages 0-2: one collective per bucket, launched in a fixed order.
+"""Gradient reduction for ZeRO stages 0-3: one collective per bucket, launched in a fixed order.
 
 Each parameter's gradient is taken as soon as autograd has accumulated it (a post-accumulate-grad hook):
 it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed. Then:
 - stages 0 and 1 keep full fp32 buffers across micro-steps and all-reduce them once, at the accumulation
   boundary; each rank copies its piece (stage 0: everything) into its gradient shard;
 - stage 2 reduce-scatters every micro-step into the rank's piece and adds it to the gradient shard, so no rank
-  keeps a full gradient beyond the buckets in flight.
+  keeps a full gradient beyond the buckets in flight. Stage 3 does the same with each unit as a bucket.
 
 [Note: fixed launch order]
 Buckets are launched in reverse layout order (the order backward usually completes them), and bucket k only
@@ -50,12 +50,16 @@ class GradientReducer:
     _pending: list[Pending] = field(default_factory=list)
     _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # stage 2: reusable buffers by size
     reduce_this_backward: bool = False
+    expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
+    keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
 
     def __post_init__(self) -> None:
         for layout in self.layouts:
             for bucket in layout.buckets:
-                self._states.append(_BucketState(bucket=bucket, expected=len(bucket.slots)))
-        self._order = list(reversed(range(len(self._states))))
+                count = len(bucket.slots) if self.expected is None else self.expected[len(self._states)]
+                self._states.append(_BucketState(bucket=bucket, expected=count))
+        # Buckets whose parameters are all frozen never get a gradient: no collective for them.
+        self._order = [i for i in reversed(range(len(self._states))) if self._states[i].expected > 0]
 
     def state_index(self, group: int, bucket: int) -> int:
         return sum(len(layout.buckets) for layout in self.layouts[:group]) + bucket
@@ -63,10 +67,14 @@ class GradientReducer:
     # ---- called by the engine around each backward ----
     def begin_backward(self, *, boundary: bool) -> None:
         """Stage 2 reduces every micro-step; stages 0/1 only at the accumulation boundary."""
-        self.reduce_this_backward = self.stage == 2 or boundary
+        self.reduce_this_backward = self.stage >= 2 or boundary
         self._next = 0
         for state in self._states:
             state.arrived = 0
+
+    def is_complete(self, state_index: int) -> bool:
+        state = self._states[state_index]
+        return state.arrived >= state.expected
 
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
         """Called from the parameter's post-accumulate-grad hook."""
@@ -113,7 +121,7 @@ class GradientReducer:
         shard = self.grad_shards[bucket.group]
         target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
         buffer = state.buffer
-        if self.stage == 2:
+        if self.stage >= 2:
             piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
             state.buffer = None  # back to the spares once the collective is done with it
@@ -121,7 +129,8 @@ class GradientReducer:
             def finish(pending=pending, piece=piece, target=target, buffer=buffer):
                 pending.wait()
                 target.add_(piece.to(target.device, non_blocking=True))
-                self._spare.setdefault(buffer.numel(), []).append(buffer)
+                if self.keep_spares:
+                    self._spare.setdefault(buffer.numel(), []).append(buffer)
 
         else:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import infinity
+import infinity.zero
 
 VOCAB, SEQ = 50, 8
 
@@ -141,7 +142,8 @@ def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_
             torch.distributed.all_reduce(step_loss)
             step_loss /= world_size
         losses.append(step_loss.item())
-    params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole, not shards
+        params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     result = {
         "losses": losses,
         "params": params,

@@ -89,8 +89,12 @@ def test_unknown_initialize_argument_and_missing_optimizer():
 
 
 def test_not_yet_implemented_modes_are_refused_clearly():
-    with pytest.raises(ConfigError, match="stage 3 is not implemented"):
-        infinity.initialize(model=mlp(), config=base(zero_optimization={"stage": 3}))
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "."}}
+    with pytest.raises(ConfigError, match="offload_param.device 'nvme' is not implemented"):
+        infinity.initialize(model=mlp(), config=base(zero_optimization=zero))
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "."}}
+    with pytest.raises(ConfigError, match="offload_optimizer.device nvme is not implemented"):
+        infinity.initialize(model=mlp(), config=base(zero_optimization=zero))
 
 
 def test_wall_clock_breakdown_is_reported(caplog):

@@ -1,0 +1,340 @@
+"""The ZeRO-3 fetch coordinator: records the trace, fetches and prefetches units, releases them, never hangs.
+
+[Note: lockstep fetches]
+Every all-gather must be issued in the same order on every rank, even when ranks run different modules (a
+rank-dependent branch). So at every event (a module about to run forward or backward) each rank takes part in
+one small exchange on the fetch group: [trace position, state digest, the units it needs]. Then every rank
+all-gathers the union of the needed units in unit order (a unit this rank does not need goes into a scratch
+buffer). Prefetches are issued only when the exchange shows every rank at the same position of the same
+agreed trace with the same resident units: then every rank computes the same plan. When a rank finishes its
+pass early it keeps answering exchanges with "done" (the drain in end_pass) until every rank is done; the
+last exchange also compares the traces just recorded, and prefetch is used on the next pass only if they agree.
+Gradient reductions use the other group, so their timing never interleaves with fetches.
+With one process there is nothing to exchange and the same decisions are taken locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+
+import torch
+
+from infinity.zero import collectives
+from infinity.zero.collectives import Comm
+from infinity.zero.schedule import BACKWARD, FORWARD, Event, Knobs, Trace, keep_after_use, plan_prefetch
+from infinity.zero.units import UnitState, UnitTable
+
+logger = logging.getLogger("infinity")
+
+_DONE = -2  # trace position a rank reports while draining
+_MASK = (1 << 62) - 1
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """What fetching cost; ``zero_stats()`` reports these per optimizer step."""
+
+    fetches: int = 0  # uses of a non-persistent unit at an event
+    already_gathered: int = 0  # ... found gathered (kept from an earlier use, or a finished prefetch)
+    in_flight: int = 0  # ... found being prefetched (waited for the rest)
+    on_demand: int = 0  # ... fetched when needed, blocking
+    prefetches: int = 0  # all-gathers started ahead of use
+    gathered_numel: int = 0  # elements all-gathered, including for other ranks' needs
+    peak_live_numel: int = 0  # most elements gathered or in flight at once (persistent ones excluded)
+    blocked_s: float = 0.0  # time spent in exchanges, demand fetches and waits
+    passes: int = 0
+
+    @property
+    def prefetched_fraction(self) -> float:
+        """Share of fetches that did not have to start an all-gather on the spot."""
+        return (self.already_gathered + self.in_flight) / self.fetches if self.fetches else 0.0
+
+    def as_dict(self) -> dict:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["prefetched_fraction"] = self.prefetched_fraction
+        return values
+
+    def merge(self, other: FetchStats) -> None:
+        for f in fields(self):
+            if f.name == "peak_live_numel":
+                self.peak_live_numel = max(self.peak_live_numel, other.peak_live_numel)
+            else:
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Coordinator:
+    def __init__(self, table: UnitTable, comm: Comm, knobs: Knobs) -> None:
+        self.table = table
+        self.comm = comm  # the fetch group
+        self.knobs = knobs
+        self._numel = tuple(unit.numel for unit in table.units)
+        self._width = max(1, max(len(u) for u in table.module_units))  # units per exchange round
+        self._traces: dict[bool, Trace] = {}  # by grad mode: a training pass and an eval forward differ
+        self._trace_agreed: dict[bool, bool] = {}
+        self._seen_signatures: set[int] = set()
+        self._live: set[int] = set()  # gathered or in flight, non-persistent
+        self._live_numel = 0
+        self._prefetched: set[int] = set()  # prefetched and not used yet
+        self._event_position: dict[int, int] = {}  # module -> trace position of its latest forward event
+        self.in_pass = False
+        self.stats = FetchStats()  # this pass
+        self.step_stats = FetchStats()  # passes since the last take_step_stats()
+        self._reset_pass(grad_mode=True)
+
+    # ---- pass boundaries ----
+    def begin_pass(self) -> None:
+        if self.in_pass:
+            self.end_pass()  # a forward that had no backward (evaluation with gradients on)
+        self._reset_pass(grad_mode=torch.is_grad_enabled())
+        self.in_pass = True
+        if self._on_trace:
+            self._prefetch(-1)  # every rank is fully released and holds the same agreed trace
+
+    def end_pass(self) -> None:
+        if not self.in_pass:
+            return
+        if self._on_trace and self._position != len(self._trace) - 1:
+            self._diverge("the end of the pass")
+        recorded = Trace.build(self._recorded, [self.table.module_units[e.module] for e in self._recorded], self._numel)
+        signatures = self._drain(recorded.signature())
+        for index in list(self._live):
+            self._release(index)
+        mode = self._grad_mode
+        previous = self._traces.get(mode)
+        if previous is None or previous.signature() != recorded.signature():
+            signature = recorded.signature()
+            if previous is not None and signature not in self._seen_signatures and self._divergence is not None:
+                expected, actual = self._divergence
+                logger.warning(
+                    "ZeRO-3: this pass left the recorded module order (expected %s, got %s); fetched on demand "
+                    "from there and re-recorded the order. This warning is not repeated for an order seen before.",
+                    expected, actual,
+                )  # fmt: skip
+            self._seen_signatures.add(signature)
+            self._traces[mode] = recorded
+        self._trace_agreed[mode] = len(set(signatures)) == 1 and len(recorded) > 0
+        self.in_pass = False
+        self.stats.passes = 1
+        self.step_stats.merge(self.stats)
+
+    def take_step_stats(self) -> FetchStats:
+        stats, self.step_stats = self.step_stats, FetchStats()
+        return stats
+
+    # ---- events ----
+    def on_event(self, module: int, phase: str) -> None:
+        """The module is about to run (forward) or its backward is about to run: its units must be gathered."""
+        if not self.in_pass:
+            self.begin_pass()
+        if phase == BACKWARD:
+            self._phase = BACKWARD
+        event = Event(module, phase)
+        self._follow_trace(event)
+        self._recorded.append(event)
+        if phase == FORWARD:
+            self._event_position[module] = self._position
+            self._running.append(module)
+        units = self.table.module_units[module]
+        started = time.perf_counter()
+        needs = [u for u in units if self.table.units[u].state is UnitState.RELEASED]
+        if needs:
+            self._evict_for(sum(self._numel[u] for u in needs), keep=set(units))
+        union, agreed = self._exchange(self._position if self._on_trace else -1, self._digest(), needs)
+        for index in union:
+            if index in needs:
+                self._gather(index, async_op=False)
+            else:  # another rank needs it: take part, keep nothing
+                self._gather_for_others(index)
+        self.stats.fetches += len(units)
+        self.stats.on_demand += len(needs)
+        for index in units:
+            unit = self.table.units[index]
+            if index in needs:
+                continue
+            if unit.state is UnitState.IN_FLIGHT:
+                self.stats.in_flight += 1
+                unit.wait()
+            else:
+                self.stats.already_gathered += 1
+            self._prefetched.discard(index)
+        self.stats.blocked_s += time.perf_counter() - started
+        if agreed:
+            self._prefetch(self._position)
+
+    def after_forward(self, module: int) -> None:
+        """Releases the module's units unless the trace says they are reused soon. Not during backward:
+        there a forward is activation-checkpoint recomputation and its backward comes next."""
+        if self._running and self._running[-1] == module:
+            self._running.pop()
+        if self._phase == BACKWARD:
+            return
+        position = self._event_position.get(module, -1)
+        for index in self.table.module_units[module]:
+            keep = (
+                self._on_trace
+                and position >= 0
+                and keep_after_use(self._trace, position, index, self.knobs)
+                and self._live_numel <= self.knobs.max_live_numel
+            )
+            if not keep:
+                self._release(index)
+
+    def on_external_use(self, unit: int) -> None:
+        """The running module's forward used a parameter of a unit it does not own (a module reading a child's
+        weight without calling the child). From now on the module fetches that unit too; now it is fetched on
+        demand, through an exchange like any fetch."""
+        module = self._running[-1] if self._running else 0
+        if unit not in self.table.module_units[module]:
+            self.table.module_units[module] += (unit,)
+        started = time.perf_counter()
+        union, _ = self._exchange(-1, self._digest(), [unit])
+        for index in union:
+            if index == unit:
+                self._gather(index, async_op=False)
+            else:
+                self._gather_for_others(index)
+        self.stats.fetches += 1
+        self.stats.on_demand += 1
+        self.stats.blocked_s += time.perf_counter() - started
+
+    def on_grads_done(self, unit: int) -> None:
+        """Every gradient of the unit has been taken: backward needs its parameters no more."""
+        if not self.table.units[unit].persistent and self.table.units[unit].state is not UnitState.RELEASED:
+            self._release(unit)
+
+    # ---- outside a pass (GatheredParameters, saving) ----
+    def gather_now(self, index: int) -> bool:
+        """Gathers a unit for use outside forward/backward; True if it was released (the caller releases it)."""
+        unit = self.table.units[index]
+        if unit.state is UnitState.IN_FLIGHT:
+            unit.wait()
+        if unit.state is UnitState.GATHERED:
+            return False
+        unit.gather(self.comm, async_op=False)
+        return True
+
+    def release_now(self, index: int) -> None:
+        self._release(index)
+
+    # ---- internals ----
+    def _reset_pass(self, *, grad_mode: bool) -> None:
+        self._grad_mode = grad_mode
+        self._trace = self._traces.get(grad_mode)
+        self._on_trace = (
+            self._trace is not None and self._trace_agreed.get(grad_mode, False) and self.knobs.prefetch_numel > 0
+        )
+        self._position = -1
+        self._phase = FORWARD
+        self._recorded: list[Event] = []
+        self._divergence: tuple[str, str] | None = None
+        self._event_position.clear()
+        self._running: list[int] = []  # modules whose forward is running, innermost last
+        self.stats = FetchStats()
+
+    def _describe(self, event: Event) -> str:
+        return f"{self.table.module_names[event.module]} ({event.phase})"
+
+    def _follow_trace(self, event: Event) -> None:
+        if not self._on_trace:
+            return
+        following = self._position + 1
+        if following < len(self._trace) and self._trace.events[following] == event:
+            self._position = following
+            return
+        self._diverge(self._describe(event))
+
+    def _diverge(self, actual: str) -> None:
+        following = self._position + 1
+        expected = self._describe(self._trace.events[following]) if following < len(self._trace) else "the end"
+        self._divergence = (expected, actual)
+        self._on_trace = False
+        self._position = -1
+
+    def _digest(self) -> int:
+        return hash(tuple(sorted(self._live))) & _MASK
+
+    def _exchange(self, position: int, digest: int, needs: list[int]) -> tuple[list[int], bool]:
+        """[Note: lockstep fetches]. Returns the union of needed units and whether prefetching is agreed."""
+        if not self.comm.active:
+            return sorted(needs), position >= 0
+        first, union = self._rounds(position, digest, needs)
+        agreed = position >= 0 and bool((first[:, 0] == position).all()) and bool((first[:, 1] == digest).all())
+        return union, agreed
+
+    def _drain(self, signature: int) -> list[int]:
+        """Answer other ranks' fetches until every rank is done; returns every rank's trace signature."""
+        if not self.comm.active:
+            return [signature]
+        while True:
+            first, union = self._rounds(_DONE, signature, [])
+            if bool((first[:, 0] == _DONE).all()):
+                return first[:, 1].tolist()
+            for index in union:
+                self._gather_for_others(index)
+
+    def _rounds(self, position: int, digest: int, needs: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """All-gathers [position, digest, more, up to ``width`` needed units] until no rank has more to say.
+        Returns every rank's first row and the union of all needed units, in unit order."""
+        union: set[int] = set()
+        first = None
+        remaining = list(needs)
+        while True:
+            chunk, remaining = remaining[: self._width], remaining[self._width :]
+            row = torch.full((3 + self._width,), -1, dtype=torch.int64)
+            row[0], row[1], row[2] = position, digest, 1 if remaining else 0
+            row[3 : 3 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            rows = torch.empty(self.comm.world_size * row.numel(), dtype=torch.int64)
+            collectives.all_gather_pieces(self.comm, rows, row, async_op=False)
+            rows = rows.view(self.comm.world_size, -1)
+            first = rows if first is None else first
+            union.update(int(u) for u in rows[:, 3:].flatten().tolist() if u >= 0)
+            if not bool((rows[:, 2] == 1).any()):
+                return first, sorted(union)
+
+    def _gather(self, index: int, *, async_op: bool) -> None:
+        self.table.units[index].gather(self.comm, async_op=async_op)
+        self._live.add(index)
+        self._live_numel += self._numel[index]
+        self.stats.gathered_numel += self._numel[index]
+        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._live_numel)
+
+    def _gather_for_others(self, index: int) -> None:
+        unit = self.table.units[index]
+        scratch = torch.empty(unit.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
+        collectives.all_gather_pieces(self.comm, scratch, unit.shard, async_op=False)
+        self.stats.gathered_numel += self._numel[index]
+
+    def _prefetch(self, position: int) -> None:
+        plan = plan_prefetch(
+            self._trace, position, resident=self._live, live_numel=self._live_numel,
+            prefetched_numel=sum(self._numel[u] for u in self._prefetched), knobs=self.knobs,
+        )  # fmt: skip
+        for index in plan:
+            if self.table.units[index].state is UnitState.RELEASED:
+                self._gather(index, async_op=True)
+                self._prefetched.add(index)
+                self.stats.prefetches += 1
+
+    def _evict_for(self, numel: int, *, keep: set[int]) -> None:
+        """Before a demand fetch beyond max_live_parameters, release units kept for reuse (forward only: in
+        backward a gathered unit is waiting for its gradients)."""
+        if self._phase == BACKWARD:
+            return
+        for index in sorted(self._live - keep - self._prefetched, key=lambda u: -self._numel[u]):
+            if self._live_numel + numel <= self.knobs.max_live_numel:
+                return
+            if self.table.units[index].state is UnitState.GATHERED:
+                self._release(index)
+
+    def _release(self, index: int) -> None:
+        unit = self.table.units[index]
+        if unit.persistent:
+            return
+        unit.wait()  # a collective still writing into the buffer must finish first
+        unit.release()
+        if index in self._live:
+            self._live.discard(index)
+            self._live_numel -= self._numel[index]
+        self._prefetched.discard(index)

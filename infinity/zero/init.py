@@ -1,0 +1,262 @@
+"""zero.Init (partition parameters as modules are built) and GatheredParameters (whole parameters for a while).
+
+[Note: zero.Init]
+Inside ``Init()``, every nn.Module subclass's ``__init__`` is wrapped: when a module's outermost ``__init__``
+returns, each parameter it owns is flattened, padded, made identical on every rank (rank 0's values are
+broadcast, as DeepSpeed does) and cut to this rank's piece; the parameter keeps its object and becomes a
+0-element placeholder with ``ds_shape``. So no rank holds more than one module's full parameters at a time.
+
+A model's own initialization often runs after its submodules exist (transformers' post_init re-initializes
+every Linear and Embedding). Inside the context a TorchFunctionMode sees every torch call; one that takes a
+partitioned parameter (``init.normal_(module.weight)``, ``weight.fill_(1)``, ``weight.size()``) runs on the
+whole, gathered parameter, which is cut to pieces again afterwards. The random stream is consumed exactly as
+without Init, so a seeded model built under Init equals the one built normally. Attribute reads (``.shape``,
+``.dtype``) pass through and see the placeholder; ``param.data.normal_()`` writes into the placeholder and is
+lost, as in DeepSpeed.
+
+The engine's stage 3 (stage3.py) later regroups these per-parameter pieces into units, one module at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+from infinity.zero import collectives
+from infinity.zero.collectives import Comm
+from infinity.zero.partition import ALIGN
+
+
+@dataclass(slots=True)
+class InitShard:
+    """This rank's piece of one parameter partitioned by zero.Init."""
+
+    shape: torch.Size
+    piece: torch.Tensor  # (padded numel / world_size,)
+    comm: Comm
+
+    def gather(self) -> torch.Tensor:
+        full = torch.empty(self.piece.numel() * self.comm.world_size, dtype=self.piece.dtype, device=self.piece.device)
+        collectives.all_gather_pieces(self.comm, full, self.piece, async_op=False)
+        return full[: self.shape.numel()].view(self.shape)
+
+
+def init_shard(param: nn.Parameter) -> InitShard | None:
+    return getattr(param, "_infinity_shard", None)
+
+
+def materialize(param: nn.Parameter) -> torch.Tensor:
+    """The whole value of a parameter, gathering it if zero.Init partitioned it."""
+    shard = init_shard(param)
+    return param.data if shard is None else shard.gather()
+
+
+def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool) -> None:
+    data = param.data
+    numel = data.numel()
+    multiple = comm.world_size * ALIGN
+    flat = torch.zeros(-(-max(numel, 1) // multiple) * multiple, dtype=data.dtype, device=data.device)
+    flat[:numel].copy_(data.reshape(-1))
+    if broadcast and comm.active:
+        torch.distributed.broadcast(flat, src=0, group=comm.group)
+    piece_numel = flat.numel() // comm.world_size
+    piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel].clone()
+    shard = init_shard(param)
+    if shard is None:
+        param._infinity_shard = InitShard(shape=data.shape, piece=piece, comm=comm)
+        param.ds_shape = data.shape
+        param.ds_numel = numel
+    else:
+        shard.piece.copy_(piece)
+    param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+
+
+def _restore(param: nn.Parameter, *, keep_edits: bool = True) -> None:
+    """Back to the placeholder, keeping this rank's piece of the (possibly edited) whole value."""
+    shard = init_shard(param)
+    if keep_edits:
+        _partition(param, shard.comm, broadcast=False)
+    else:
+        param.data = torch.empty(0, dtype=shard.piece.dtype, device=shard.piece.device)
+
+
+def _placeholders(values) -> list[nn.Parameter]:
+    found, seen = [], set()
+    for leaf in _pytree.tree_leaves(values):
+        partitioned = isinstance(leaf, nn.Parameter) and init_shard(leaf) is not None and leaf.numel() == 0
+        if partitioned and id(leaf) not in seen:
+            seen.add(id(leaf))
+            found.append(leaf)
+    return found
+
+
+class _WholeOnUse(TorchFunctionMode):
+    """[Note: zero.Init]: torch calls on a partitioned parameter run on its gathered value."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__":
+            return func(*args, **kwargs)
+        params = _placeholders((args, kwargs))
+        if not params:
+            return func(*args, **kwargs)
+        for param in params:
+            param.data = init_shard(param).gather()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for param in params:
+                _restore(param)
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    found = set()
+    pending = [cls]
+    while pending:
+        for sub in pending.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                pending.append(sub)
+    return found
+
+
+class Init:
+    """``with infinity.zero.Init(): model = MyModel()`` builds the model already partitioned.
+
+    Accepts DeepSpeed's arguments ``config`` / ``config_dict_or_path`` (read for offload_param) and
+    ``enabled``; the process group is the engine's (torchrun's environment, or one the caller made)."""
+
+    def __init__(self, module=None, *, config=None, config_dict_or_path=None, enabled: bool = True, **_ignored):
+        if module is not None:
+            raise ValueError("zero.Init(module=...) (partitioning an existing model) is not supported; build it inside")
+        self.enabled = enabled
+        raw = config if config is not None else config_dict_or_path
+        self._check_config(raw)
+        self._originals: dict[type, object] = {}
+        self._depth: dict[int, int] = {}
+        self._mode: _WholeOnUse | None = None
+        self.comm: Comm | None = None
+
+    @staticmethod
+    def _check_config(raw) -> None:
+        if raw is None:
+            return
+        from infinity.config import load_json
+        from infinity.errors import ConfigError
+
+        zero = load_json(raw).get("zero_optimization", {}) or {}
+        device = (zero.get("offload_param") or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(
+                f"zero_optimization.offload_param.device {device!r} is not implemented in this version of infinity "
+                "yet; remove offload_param to build the model partitioned in device memory"
+            )
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        from infinity.distributed import init_distributed
+
+        self.comm = init_distributed()
+        for cls in _all_subclasses(nn.Module) | {nn.Module}:
+            self._wrap(cls)
+        self._originals[type] = nn.Module.__dict__.get("__init_subclass__")
+        init = self
+
+        def init_subclass(cls, **kwargs):
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            init._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._mode = _WholeOnUse()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self._mode.__exit__(*exc)
+        original_subclass = self._originals.pop(type)
+        if original_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = original_subclass
+        for cls, original in self._originals.items():
+            cls.__init__ = original
+        self._originals.clear()
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or cls in self._originals:
+            return
+        self._originals[cls] = original
+        depth = self._depth
+
+        @functools.wraps(original)
+        def wrapped(module, *args, **kwargs):
+            key = id(module)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    del depth[key]
+            if key not in depth:
+                self._partition_module(module)
+
+        cls.__init__ = wrapped
+
+    def _partition_module(self, module: nn.Module) -> None:
+        for param in module.__dict__.get("_parameters", {}).values():
+            if param is not None and init_shard(param) is None:
+                _partition(param, self.comm, broadcast=True)
+
+
+class GatheredParameters:
+    """``with GatheredParameters(params, modifier_rank=0): ...`` makes the parameters whole on every rank.
+
+    On exit they are partitioned again; with modifier_rank set, that rank's values are broadcast first, so its
+    edits reach every rank (and, after initialize(), the optimizer's fp32 masters). Without it, edits are
+    dropped. Every rank must enter with the same parameters, as with DeepSpeed's."""
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.params = list(params) if isinstance(params, Iterable) else [params]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._init_params: list[nn.Parameter] = []
+        self._stage3 = None
+        self._units: list[tuple[int, bool]] = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        runtimes = {id(r): r for p in self.params if (r := getattr(p, "_infinity_stage3", None)) is not None}
+        if len(runtimes) > 1:
+            raise ValueError("GatheredParameters: the parameters belong to different engines; gather them separately")
+        if runtimes:
+            self._stage3 = next(iter(runtimes.values()))
+            self._units = self._stage3.gather(self.params)
+        self._init_params = _placeholders(self.params)
+        for param in self._init_params:
+            param.data = init_shard(param).gather()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        for param in self._init_params:
+            comm = init_shard(param).comm
+            if self.modifier_rank is not None and comm.active:
+                torch.distributed.broadcast(param.data, src=self.modifier_rank, group=comm.group)
+            _restore(param, keep_edits=self.modifier_rank is not None)
+        if self._stage3 is not None:
+            self._stage3.partition(self._units, modifier_rank=self.modifier_rank)

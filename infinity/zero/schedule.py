@@ -1,0 +1,97 @@
+"""Pure planning for ZeRO-3: a recorded trace of module uses + DeepSpeed's knobs -> what to prefetch and release.
+
+No process, tensor or collective here; the coordinator feeds it positions and its own bookkeeping.
+
+- Trace: the events of one forward+backward pass, in order; an event is (module entry, phase) and uses some
+  units. Distances are measured in parameter traffic: the numel of the units the events in between use.
+- Prefetch (stage3_prefetch_bucket_size, stage3_max_live_parameters): walking the trace ahead of the current
+  event, take the next units not already resident, in order, while the prefetched-but-unused numel stays within
+  prefetch_bucket_size and the gathered numel within max_live_parameters. The first unit that does not fit stops
+  the walk (prefetching past it would reorder fetches). Depth is whatever the budgets allow.
+- Release (stage3_max_reuse_distance): after a module runs, a unit stays gathered if its next use is within
+  max_reuse_distance elements of traffic; otherwise it is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    module: int  # index into the unit table's modules
+    phase: str  # FORWARD or BACKWARD
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    max_live_numel: int
+    prefetch_numel: int  # 0 disables prefetch
+    max_reuse_distance: int
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    events: tuple[Event, ...]
+    uses: tuple[tuple[int, ...], ...]  # per event: the units it uses
+    unit_numel: tuple[int, ...]  # per unit
+    _traffic_before: tuple[int, ...] = field(default=(), repr=False)  # numel used by events [0, i)
+    _next_use: tuple[dict[int, int], ...] = field(default=(), repr=False)  # per event: unit -> next position
+
+    @staticmethod
+    def build(events: Sequence[Event], uses: Sequence[tuple[int, ...]], unit_numel: Sequence[int]) -> Trace:
+        traffic = [0]
+        for units in uses:
+            traffic.append(traffic[-1] + sum(unit_numel[u] for u in units))
+        next_use: list[dict[int, int]] = [{} for _ in uses]
+        upcoming: dict[int, int] = {}
+        for position in range(len(uses) - 1, -1, -1):
+            next_use[position] = {u: upcoming[u] for u in uses[position] if u in upcoming}
+            for u in uses[position]:
+                upcoming[u] = position
+        return Trace(tuple(events), tuple(tuple(u) for u in uses), tuple(unit_numel), tuple(traffic), tuple(next_use))
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def signature(self) -> int:
+        """Equal on ranks whose traces (events and the units each uses) are equal. Only ints and bools are
+        hashed: a str hash differs between processes."""
+        key = tuple((e.module, e.phase == BACKWARD, units) for e, units in zip(self.events, self.uses, strict=True))
+        return hash(key) & ((1 << 62) - 1)
+
+    def reuse_distance(self, position: int, unit: int) -> int | None:
+        """Traffic between the event at ``position`` and the next one using ``unit``; None if none does."""
+        following = self._next_use[position].get(unit)
+        if following is None:
+            return None
+        return self._traffic_before[following] - self._traffic_before[position + 1]
+
+
+def keep_after_use(trace: Trace, position: int, unit: int, knobs: Knobs) -> bool:
+    distance = trace.reuse_distance(position, unit)
+    return distance is not None and distance <= knobs.max_reuse_distance
+
+
+def plan_prefetch(
+    trace: Trace, position: int, *, resident: set[int], live_numel: int, prefetched_numel: int, knobs: Knobs
+) -> list[int]:
+    """Units to start gathering now, after the event at ``position`` (-1: before the first event).
+
+    resident: units gathered or in flight; live_numel: their numel; prefetched_numel: the part of it that was
+    prefetched and not used yet."""
+    budget = min(knobs.max_live_numel - live_numel, knobs.prefetch_numel - prefetched_numel)
+    chosen: list[int] = []
+    for units in trace.uses[position + 1 :]:
+        for unit in units:
+            if unit in resident or unit in chosen:
+                continue
+            numel = trace.unit_numel[unit]
+            if numel > budget:
+                return chosen
+            chosen.append(unit)
+            budget -= numel
+    return chosen

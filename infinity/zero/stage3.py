@@ -1,0 +1,173 @@
+"""ZeRO-3 module hooks. They only delegate to the coordinator; all decisions live there and in schedule.py.
+
+- root pre-forward: a pass begins; root post-forward without gradients (evaluation, generate()): it ends.
+  With gradients the engine ends it after backward.
+- pre-forward of a module using units: fetch them. post-forward: maybe release them, and wrap the module's
+  outputs in an autograd function whose backward is the module's pre-backward: fetch again before its
+  backward runs (also when torch.utils.checkpoint recomputes: that is an ordinary forward inside backward).
+- gradients: the optimizer's post-accumulate-grad hooks reduce them and call coordinator.on_grads_done.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+from infinity.config import ZeroConfig
+from infinity.zero.collectives import Comm
+from infinity.zero.coordinator import Coordinator
+from infinity.zero.schedule import BACKWARD, FORWARD, Knobs
+from infinity.zero.units import Unit, UnitState, UnitTable, build_units
+
+
+class _FetchOnUse(TorchFunctionMode):
+    """Active during forward: a torch call given a released parameter (one the running module does not own and
+    so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
+    pass through."""
+
+    def __init__(self, table: UnitTable, coordinator: Coordinator) -> None:
+        super().__init__()
+        self.table = table
+        self.coordinator = coordinator
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, list | tuple):
+                for item in value:
+                    self._check(item)
+            else:
+                self._check(value)
+        return func(*args, **kwargs)
+
+    def _check(self, value) -> None:
+        if type(value) is nn.Parameter and value.numel() == 0:
+            found = self.table.unit_of(value)
+            if found is not None and found[0].state is not UnitState.GATHERED and found[0].numel > 0:
+                self.coordinator.on_external_use(found[0].index)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward runs before the module's own backward nodes."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _wrap_outputs(output, callback):
+    leaves, spec = _pytree.tree_flatten(output)
+    positions = [
+        i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad and leaf.is_floating_point()
+    ]
+    if not positions:
+        return output
+    wrapped = _PreBackward.apply(callback, *(leaves[i] for i in positions))
+    for i, tensor in zip(positions, wrapped, strict=True):
+        leaves[i] = tensor
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+@dataclass(slots=True)
+class Stage3:
+    table: UnitTable
+    coordinator: Coordinator
+    handles: list
+    on_piece_edited: Callable[[Unit], None] | None = None  # the optimizer's masters follow an edited shard
+
+    # ---- GatheredParameters and saving ----
+    def gather(self, params) -> list[tuple[int, bool]]:
+        """Gathers the units holding ``params``: (unit, whether it was released and must be released again)."""
+        units = sorted({found[0].index for p in params if (found := self.table.unit_of(p)) is not None})
+        return [(index, self.coordinator.gather_now(index)) for index in units]
+
+    def partition(self, gathered: list[tuple[int, bool]], *, modifier_rank: int | None) -> None:
+        """Ends a gather: with modifier_rank, its values go to every rank and into the shards first."""
+        comm = self.coordinator.comm
+        for index, release in gathered:
+            unit = self.table.units[index]
+            if modifier_rank is not None:
+                if comm.active:
+                    dist.broadcast(unit.full, src=modifier_rank, group=comm.group)
+                start, end = unit.bucket.piece_range(comm.rank)
+                unit.shard.copy_(unit.full[start:end])
+                if self.on_piece_edited is not None:
+                    self.on_piece_edited(unit)
+            if release:
+                self.coordinator.release_now(index)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def fetch_comm(comm: Comm) -> Comm:
+    """A second group over the same ranks for fetches ([Note: lockstep fetches] in coordinator.py)."""
+    if not comm.active:
+        return comm
+    group = dist.new_group(ranks=list(range(comm.world_size)))
+    return Comm(group=group, rank=comm.rank, world_size=comm.world_size)
+
+
+def setup_stage3(
+    model: nn.Module, *, comm: Comm, zero: ZeroConfig, dtype: torch.dtype, device: torch.device, full_value
+) -> tuple[Stage3, torch.Tensor]:
+    """Partitions the model into units and installs the hooks. Returns the runtime and this rank's fp32 shard."""
+    table, shard_fp32 = build_units(
+        model, comm=comm, dtype=dtype, device=device,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold, full_value=full_value,
+    )  # fmt: skip
+    knobs = Knobs(
+        max_live_numel=zero.stage3_max_live_parameters,
+        prefetch_numel=zero.stage3_prefetch_bucket_size,
+        max_reuse_distance=zero.stage3_max_reuse_distance,
+    )
+    coordinator = Coordinator(table, fetch_comm(comm), knobs)
+    stage3 = Stage3(table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator))
+    for param in table.parameters():
+        param._infinity_stage3 = stage3  # how GatheredParameters finds the runtime
+    return stage3, shard_fp32
+
+
+def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:
+    fetch_on_use = _FetchOnUse(table, coordinator)
+    entered: list[bool] = []  # whether the mode was entered by the running root forward
+
+    def pre_forward(index, module, args):
+        if index == 0:
+            coordinator.begin_pass()
+            fetch_on_use.__enter__()
+            entered.append(True)
+        coordinator.on_event(index, FORWARD)
+
+    def post_forward(index, module, args, output):
+        if index == 0 and entered:
+            entered.pop()
+            fetch_on_use.__exit__(None, None, None)
+        coordinator.after_forward(index)
+        if index == 0 and not torch.is_grad_enabled():
+            coordinator.end_pass()  # evaluation, generate(): no backward follows
+        if torch.is_grad_enabled() and table.module_units[index]:
+            return _wrap_outputs(output, functools.partial(coordinator.on_event, index, BACKWARD))
+        return output
+
+    handles = []
+    for index, module in enumerate(table.modules):
+        handles.append(module.register_forward_pre_hook(functools.partial(pre_forward, index)))
+        handles.append(module.register_forward_hook(functools.partial(post_forward, index), always_call=True))
+    return handles

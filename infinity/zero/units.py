@@ -1,0 +1,233 @@
+"""Units: the grain of ZeRO-3. Each module's own parameters flattened into one buffer, sharded across ranks.
+
+[Note: units]
+Every module that directly owns parameters gets one unit: its parameters laid out in order in one flat buffer,
+padded to world_size * ALIGN and split equally; rank r keeps piece r (``Unit.shard``, a view into the rank's
+flat shard of the whole model). A parameter registered in several modules (tied weights) belongs to the first
+owner in ``named_modules`` order; every module that uses it fetches that unit. Parameters at or below the
+persistence threshold go to one persistent unit that is gathered once and never released (DeepSpeed keeps
+such parameters whole on every rank); it is unit 0, so its gradient reduction is launched last, when backward
+has produced all of them.
+
+While a unit is gathered its parameters are views into ``Unit.full``; while released they are 0-element
+placeholders (reading one is an empty tensor, never freed memory) and the storage of ``full`` is resized to
+0 bytes. Re-gathering resizes that same storage back, so views of a parameter that autograd saved in forward
+see the gathered values again in backward (the technique of FSDP2).
+
+The units double as the buckets of gradient reduction: ``layout`` is one GroupLayout whose buckets are the
+units, in unit order, so GradientReducer reduce-scatters each unit's gradient into the rank's piece.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from infinity.zero import collectives
+from infinity.zero.collectives import Comm, Pending
+from infinity.zero.partition import Bucket, GroupLayout, layout_from_runs
+
+
+class UnitState(enum.Enum):
+    RELEASED = "released"
+    IN_FLIGHT = "in flight"  # an asynchronous all-gather into ``full`` is running
+    GATHERED = "gathered"
+
+
+@dataclass(eq=False, slots=True)
+class Unit:
+    index: int
+    name: str  # the owning module's path, or "<persistent>"
+    params: list[nn.Parameter]
+    shapes: list[torch.Size]
+    bucket: Bucket
+    persistent: bool
+    full: torch.Tensor  # (padded_numel,) compute dtype; 0-byte storage while released
+    shard: torch.Tensor  # (piece_numel,) compute dtype: this rank's piece
+    state: UnitState = UnitState.RELEASED
+    pending: Pending | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.bucket.padded_numel
+
+    def allocate(self) -> torch.Tensor:
+        """Gives ``full`` its memory back (the same storage, so saved views stay valid)."""
+        storage = self.full.untyped_storage()
+        nbytes = self.full.numel() * self.full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return self.full
+
+    def attach(self) -> None:
+        """Parameters become views into the gathered buffer."""
+        for slot, param, shape in zip(self.bucket.slots, self.params, self.shapes, strict=True):
+            param.data = self.full[slot.offset : slot.offset + slot.numel].view(shape)
+        self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        for param in self.params:
+            param.data = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.RELEASED
+        self.pending = None
+
+    def gather(self, comm: Comm, *, async_op: bool) -> Pending:
+        """All-gather every rank's piece into ``full``; the parameters attach when it completes."""
+        self.allocate()
+        pending = collectives.all_gather_pieces(comm, self.full, self.shard, async_op=async_op)
+        if async_op:
+            self.state = UnitState.IN_FLIGHT
+            self.pending = pending
+        else:
+            self.attach()
+        return pending
+
+    def wait(self) -> None:
+        if self.state is UnitState.IN_FLIGHT:
+            self.pending.wait()
+            self.pending = None
+            self.attach()
+
+
+@dataclass(slots=True)
+class UnitTable:
+    """All units of a model, which modules use which units, and the rank's flat shard they are views into."""
+
+    units: list[Unit]
+    modules: list[nn.Module]  # the root, then modules using a non-persistent unit, in named_modules order
+    module_names: list[str]
+    module_units: list[tuple[int, ...]]  # per entry of ``modules``: the non-persistent units it uses; grows
+    # when a module's forward turns out to use another module's parameters (nn.MultiheadAttention reads
+    # out_proj.weight without calling out_proj): see stage3.py
+    layout: GroupLayout
+    flat_shard: torch.Tensor  # (layout.shard_numel,) compute dtype
+    param_unit: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(param) -> (unit, position)
+
+    def unit_of(self, param: nn.Parameter) -> tuple[Unit, int] | None:
+        entry = self.param_unit.get(id(param))
+        return None if entry is None else (self.units[entry[0]], entry[1])
+
+    @property
+    def largest_unit_numel(self) -> int:
+        return max((u.numel for u in self.units if not u.persistent), default=0)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for unit in self.units for p in unit.params]
+
+
+def _owners(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """(path, module, parameters it owns): each parameter once, at its first registration."""
+    seen: set[int] = set()
+    owners = []
+    for path, module in model.named_modules():
+        owned = []
+        for param in module._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                owned.append(param)
+        owners.append((path, module, owned))
+    return owners
+
+
+def build_units(
+    model: nn.Module,
+    *,
+    comm: Comm,
+    dtype: torch.dtype,
+    device: torch.device,
+    persistence_threshold: int,
+    model_persistence_threshold: int,
+    full_value: Callable[[nn.Parameter], torch.Tensor],
+) -> tuple[UnitTable, torch.Tensor]:
+    """Partitions ``model`` into units. ``full_value(param)`` gives a parameter's whole value (zero.Init shards
+    gather it). Every rank ends up with rank 0's values, as DeepSpeed broadcasts the model at start.
+    Returns the table and this rank's shard in fp32 (the optimizer's masters start from it)."""
+    owners = _owners(model)
+    persistent: list[nn.Parameter] = []
+    per_module: list[tuple[str, list[nn.Parameter]]] = []
+    persistent_numel = 0
+    for path, _, owned in owners:
+        kept = []
+        for param in owned:
+            numel = _shape(param).numel()
+            if numel <= persistence_threshold and persistent_numel + numel <= model_persistence_threshold:
+                persistent.append(param)
+                persistent_numel += numel
+            else:
+                kept.append(param)
+        if kept:
+            per_module.append((path or "<root>", kept))
+    groups = [("<persistent>", persistent)] if persistent else []
+    groups += per_module
+
+    shapes = [[_shape(p) for p in params] for _, params in groups]
+    numels, runs = [], []
+    for group_shapes in shapes:
+        runs.append(list(range(len(numels), len(numels) + len(group_shapes))))
+        numels += [s.numel() for s in group_shapes]
+    layout = layout_from_runs(0, numels, runs, world_size=comm.world_size)
+    shard_fp32 = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+    flat_shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+    units, param_unit = [], {}
+    for index, ((name, params), bucket) in enumerate(zip(groups, layout.buckets, strict=True)):
+        full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=device)
+        for slot, param in zip(bucket.slots, params, strict=True):
+            full[slot.offset : slot.offset + slot.numel].copy_(full_value(param).reshape(-1))
+        if comm.active:
+            torch.distributed.broadcast(full, src=0, group=comm.group)
+        start, end = bucket.piece_range(comm.rank)
+        piece = slice(bucket.shard_offset, bucket.shard_offset + bucket.piece_numel)
+        shard_fp32[piece].copy_(full[start:end])
+        flat_shard[piece].copy_(full[start:end])
+        unit = Unit(
+            index=index,
+            name=name,
+            params=list(params),
+            shapes=shapes[index],
+            bucket=bucket,
+            persistent=name == "<persistent>",
+            full=full.to(dtype),
+            shard=flat_shard[piece],
+        )
+        del full
+        for position, param in enumerate(params):
+            param_unit[id(param)] = (index, position)
+            param.ds_shape = shapes[index][position]  # DeepSpeed's attribute names, read by some integrations
+            param.ds_numel = shapes[index][position].numel()
+        if unit.persistent:
+            unit.attach()
+        else:
+            unit.release()
+        units.append(unit)
+
+    modules, names, uses = [], [], []
+    for path, module in model.named_modules():
+        used = []
+        for param in module._parameters.values():
+            entry = None if param is None else param_unit.get(id(param))
+            if entry is not None and not units[entry[0]].persistent and entry[0] not in used:
+                used.append(entry[0])
+        if used or module is model:  # the root is always entry 0: passes begin and end there
+            modules.append(module)
+            names.append(path or "<root>")
+            uses.append(tuple(used))
+    table = UnitTable(
+        units=units, modules=modules, module_names=names, module_units=uses, layout=layout,
+        flat_shard=flat_shard, param_unit=param_unit,
+    )  # fmt: skip
+    return table, shard_fp32
+
+
+def _shape(param: nn.Parameter) -> torch.Size:
+    """The logical shape: a zero.Init placeholder has 0 elements and carries its shape in ds_shape."""
+    shape = getattr(param, "ds_shape", None)
+    return torch.Size(shape) if shape is not None and param.numel() == 0 else param.shape
