@@ -23,7 +23,16 @@ import torch
 
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
-from infinity.zero.schedule import BACKWARD, FORWARD, Event, Knobs, Trace, keep_after_use, plan_prefetch
+from infinity.zero.schedule import (
+    BACKWARD,
+    FORWARD,
+    Event,
+    Knobs,
+    Trace,
+    keep_after_use,
+    plan_prefetch,
+    used_between,
+)
 from infinity.zero.units import UnitState, UnitTable
 
 logger = logging.getLogger("infinity")
@@ -307,15 +316,29 @@ class Coordinator:
         self.stats.gathered_numel += self._numel[index]
 
     def _prefetch(self, position: int) -> None:
-        plan = plan_prefetch(
-            self._trace, position, resident=self._live, live_numel=self._live_numel,
-            prefetched_numel=sum(self._numel[u] for u in self._prefetched), knobs=self.knobs,
-        )  # fmt: skip
+        plan, blocked_at = self._plan(position)
+        if blocked_at is not None and self._phase == FORWARD:
+            # Units kept for reuse and not needed before the blocked one make room for it. Not in backward:
+            # there a gathered unit may still wait for its gradients.
+            needed = used_between(self._trace, max(position, 0), blocked_at) | set(plan)
+            evictable = [
+                u for u in self._live - self._prefetched - needed if self.table.units[u].state is UnitState.GATHERED
+            ]
+            if evictable:
+                for index in evictable:
+                    self._release(index)
+                plan, _ = self._plan(position)
         for index in plan:
             if self.table.units[index].state is UnitState.RELEASED:
                 self._gather(index, async_op=True)
                 self._prefetched.add(index)
                 self.stats.prefetches += 1
+
+    def _plan(self, position: int) -> tuple[list[int], int | None]:
+        return plan_prefetch(
+            self._trace, position, resident=self._live, live_numel=self._live_numel,
+            prefetched_numel=sum(self._numel[u] for u in self._prefetched), knobs=self.knobs,
+        )  # fmt: skip
 
     def _evict_for(self, numel: int, *, keep: set[int]) -> None:
         """Before a demand fetch beyond max_live_parameters, release units kept for reuse (forward only: in

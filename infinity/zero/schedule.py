@@ -9,7 +9,8 @@ No process, tensor or collective here; the coordinator feeds it positions and it
   prefetch_bucket_size and the gathered numel within max_live_parameters. The first unit that does not fit stops
   the walk (prefetching past it would reorder fetches). Depth is whatever the budgets allow.
 - Release (stage3_max_reuse_distance): after a module runs, a unit stays gathered if its next use is within
-  max_reuse_distance elements of traffic; otherwise it is released.
+  max_reuse_distance elements of traffic; otherwise it is released. A unit kept that way yields to a prefetch
+  the live budget would otherwise block, when it is not used before the unit being prefetched.
 """
 
 from __future__ import annotations
@@ -78,20 +79,30 @@ def keep_after_use(trace: Trace, position: int, unit: int, knobs: Knobs) -> bool
 
 def plan_prefetch(
     trace: Trace, position: int, *, resident: set[int], live_numel: int, prefetched_numel: int, knobs: Knobs
-) -> list[int]:
-    """Units to start gathering now, after the event at ``position`` (-1: before the first event).
+) -> tuple[list[int], int | None]:
+    """Units to start gathering now, after the event at ``position`` (-1: before the first event), and the
+    trace position of the first unit the live budget (not the prefetch budget) kept out, if any.
 
     resident: units gathered or in flight; live_numel: their numel; prefetched_numel: the part of it that was
     prefetched and not used yet."""
-    budget = min(knobs.max_live_numel - live_numel, knobs.prefetch_numel - prefetched_numel)
+    live_budget = knobs.max_live_numel - live_numel
+    prefetch_budget = knobs.prefetch_numel - prefetched_numel
     chosen: list[int] = []
-    for units in trace.uses[position + 1 :]:
+    for offset, units in enumerate(trace.uses[position + 1 :]):
         for unit in units:
             if unit in resident or unit in chosen:
                 continue
             numel = trace.unit_numel[unit]
-            if numel > budget:
-                return chosen
+            if numel > prefetch_budget:
+                return chosen, None
+            if numel > live_budget:
+                return chosen, position + 1 + offset
             chosen.append(unit)
-            budget -= numel
-    return chosen
+            live_budget -= numel
+            prefetch_budget -= numel
+    return chosen, None
+
+
+def used_between(trace: Trace, start: int, end: int) -> set[int]:
+    """Units used by the events at positions [start, end]."""
+    return {unit for units in trace.uses[start : end + 1] for unit in units}

@@ -30,7 +30,10 @@ from infinity.zero.units import Unit, UnitState, UnitTable, build_units
 class _FetchOnUse(TorchFunctionMode):
     """Active during forward: a torch call given a released parameter (one the running module does not own and
     so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
-    pass through."""
+    and writes (``param.data = ...``, which is how units attach and release) pass through.
+
+    Limitation: the first pass that reaches such a use must reach it on every rank (as it does unless the
+    model's control flow differs between ranks there); from then on the module fetches the unit itself."""
 
     def __init__(self, table: UnitTable, coordinator: Coordinator) -> None:
         super().__init__()
@@ -39,6 +42,8 @@ class _FetchOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in ("__get__", "__set__"):  # attributes; units re-point param.data
+            return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             if isinstance(value, list | tuple):
                 for item in value:

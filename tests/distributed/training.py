@@ -23,8 +23,9 @@ class TinyTransformer(nn.Module):
     mathematically zero (softmax ignores a constant shift), so its values are rounding noise that Adam
     normalises into full steps; it would make any two correct implementations disagree."""
 
-    def __init__(self, d_model: int = 32, layers: int = 2) -> None:
+    def __init__(self, d_model: int = 32, layers: int = 2, checkpoint: bool = False) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Parameter(torch.randn(SEQ, d_model) * 0.02)
         self.blocks = nn.ModuleList(
@@ -40,34 +41,67 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens) + self.pos
         mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], dtype=x.dtype)
         for block in self.blocks:
-            x = block(x, src_mask=mask, is_causal=True)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, src_mask=mask, is_causal=True, use_reentrant=False)
+            else:
+                x = block(x, src_mask=mask, is_causal=True)
         return self.head(self.norm(x))
 
 
+def gpt2(*, checkpoint: bool = False) -> nn.Module:
+    """A tiny transformers GPT-2 built from a config (no download); lm_head is tied to wte."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    for block in model.transformer.h:
+        # The key part of c_attn's bias gets a gradient that is mathematically zero (see TinyTransformer): its
+        # rounding noise, normalised by Adam, would make any two correct implementations disagree. Frozen here,
+        # which also covers frozen parameters at stage 3.
+        block.attn.c_attn.bias.requires_grad_(False)
+    if checkpoint:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def build(model_name: str) -> nn.Module:
+    """mlp, transformer, gpt2; a "-ckpt" suffix adds activation checkpointing (non-reentrant)."""
     torch.manual_seed(1234)
-    if model_name == "mlp":
+    base, _, suffix = model_name.partition("-")
+    if base == "mlp":
         return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
-    return TinyTransformer()
+    if base == "gpt2":
+        return gpt2(checkpoint=suffix == "ckpt")
+    return TinyTransformer(checkpoint=suffix == "ckpt")
 
 
 def global_batch(model_name: str, step: int, size: int):
     gen = torch.Generator().manual_seed(10_000 + step)
-    if model_name == "mlp":
+    if model_name.startswith("mlp"):
         return torch.randn(size, 16, generator=gen), torch.randn(size, 4, generator=gen)
     tokens = torch.randint(0, VOCAB, (size, SEQ + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss_fn(model_name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if model_name == "mlp":
+def loss_fn(model_name: str, output, target: torch.Tensor) -> torch.Tensor:
+    output = getattr(output, "logits", output)  # a transformers ModelOutput
+    if model_name.startswith("mlp"):
         return F.mse_loss(output.float(), target.float())
     return F.cross_entropy(output.float().reshape(-1, VOCAB), target.reshape(-1))
 
 
-def train_reference(model_name: str, *, steps: int, batch: int, lr: float, clip: float, dtype=torch.float32):
+def train_reference(
+    model_name: str, *, steps: int, batch: int, lr: float, clip: float, dtype=torch.float32, split=None
+):
     """Plain PyTorch: fused AdamW on fp32 weights. For bf16, the canonical recipe: fp32 masters, a bf16 copy for
-    forward/backward, gradients cast back to fp32 for the step."""
+    forward/backward, gradients cast back to fp32 for the step.
+
+    split=(micro, accumulation, world_size) accumulates the gradient over the engine's micro-batches in the
+    engine's order (per rank, then across ranks), so the sums round alike: for models where Adam turns rounding
+    noise of near-zero gradients into visible steps (GPT-2)."""
     master = build(model_name)
     optimizer = torch.optim.AdamW(master.parameters(), lr=lr, fused=True)
     model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
@@ -76,9 +110,12 @@ def train_reference(model_name: str, *, steps: int, batch: int, lr: float, clip:
         inputs, target = global_batch(model_name, step, batch)
         if inputs.is_floating_point():
             inputs = inputs.to(dtype)
-        loss = loss_fn(model_name, model(inputs), target)
         model.zero_grad(set_to_none=True)
-        loss.backward()
+        if split is None:
+            loss = loss_fn(model_name, model(inputs), target)
+            loss.backward()
+        else:
+            loss = _accumulate_like_the_engine(model_name, model, inputs, target, *split)
         if model is not master:
             for p_master, p_model in zip(master.parameters(), model.parameters(), strict=True):
                 p_master.grad = p_model.grad.float()
@@ -91,6 +128,27 @@ def train_reference(model_name: str, *, steps: int, batch: int, lr: float, clip:
                     p_model.copy_(p_master)
         losses.append(loss.item())
     return losses, {name: p.detach().float().clone() for name, p in master.named_parameters()}
+
+
+def _accumulate_like_the_engine(model_name, model, inputs, target, micro, accumulation, world_size):
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_rank = []
+    total_loss = torch.zeros(())
+    for rank in range(world_size):
+        sums = None
+        for k in range(accumulation):
+            start = k * micro * world_size + rank * micro
+            loss = loss_fn(model_name, model(inputs[start : start + micro]), target[start : start + micro])
+            grads = torch.autograd.grad(loss / accumulation, params)
+            sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads, strict=True)]
+            total_loss += loss.detach() / accumulation / world_size
+        per_rank.append(sums)
+    for index, param in enumerate(params):
+        grad = per_rank[0][index]
+        for sums in per_rank[1:]:
+            grad = grad + sums[index]
+        param.grad = grad / world_size
+    return total_loss
 
 
 def engine_config(

@@ -1,0 +1,156 @@
+"""zero.Init, GatheredParameters and save_16bit_model, over real gloo processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+import infinity.zero
+from tests.distributed.harness import run_distributed
+from tests.distributed.training import build, engine_config, global_batch, loss_fn
+
+MiB = 2**20
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_init: bool) -> dict:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _rss_bytes("VmRSS")
+    if use_init:
+        with infinity.zero.Init():
+            model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    else:
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    peak = _rss_bytes("VmHWM") - before
+    return {"peak": peak, "placeholders": all(p.numel() == 0 for p in model.parameters())}
+
+
+def test_init_builds_a_model_8x_the_per_rank_budget_within_1_over_n(tmp_path):
+    layers, width = 32, 2048  # 32 layers of 16 MiB: 512 MiB; per-rank budget 64 MiB, so 8x
+    total, largest = layers * width * width * 4, width * width * 4
+    (tmp_path / "init").mkdir()
+    partitioned = run_distributed(
+        _construction_peak, 2, tmp_path / "init", timeout_s=120, layers=layers, width=width, use_init=True
+    )
+    for result in partitioned:
+        assert result["placeholders"]
+        assert result["peak"] <= total / 2 + 2 * largest + 64 * MiB, f"peak {result['peak'] / MiB:.0f} MiB"
+    (tmp_path / "plain").mkdir()
+    plain = run_distributed(
+        _construction_peak, 1, tmp_path / "plain", timeout_s=120, layers=layers, width=width, use_init=False
+    )
+    assert plain[0]["peak"] >= 0.9 * total  # the measurement sees a whole model when there is one
+
+
+def _hf_under_init(rank: int, world_size: int) -> dict:
+    from tests.distributed.training import gpt2
+
+    torch.manual_seed(5)
+    plain = gpt2()
+    torch.manual_seed(5)
+    with infinity.zero.Init():
+        partitioned = gpt2()
+    assert all(p.numel() == 0 for p in partitioned.parameters())
+    with infinity.zero.GatheredParameters(list(partitioned.parameters())):
+        same = {
+            name: torch.equal(p, dict(plain.named_parameters())[name]) for name, p in partitioned.named_parameters()
+        }
+        tied = partitioned.lm_head.weight is partitioned.transformer.wte.weight
+    inputs, target = global_batch("gpt2", 0, 4)
+    plain_loss = loss_fn("gpt2", plain(inputs), target).item()
+    engine, *_ = infinity.initialize(
+        model=partitioned, config=engine_config(stage=3, micro=4, accumulation=1, lr=1e-3, clip=0.0)
+    )
+    engine_loss = loss_fn("gpt2", engine(inputs), target).item()
+    engine.destroy()
+    return {"same": same, "tied": tied, "plain_loss": plain_loss, "engine_loss": engine_loss}
+
+
+def test_init_keeps_the_models_own_initialization(tmp_path):
+    pytest.importorskip("transformers")
+    for result in run_distributed(_hf_under_init, 2, tmp_path, timeout_s=240):
+        assert all(result["same"].values()), [n for n, ok in result["same"].items() if not ok]
+        assert result["tied"]
+        assert abs(result["engine_loss"] - result["plain_loss"]) <= 1e-6 * result["plain_loss"]
+        assert 3.0 < result["plain_loss"] < 5.0  # ~ln(50): a freshly initialized model, not a broken one
+
+
+def _edit_with_modifier_rank(rank: int, world_size: int) -> dict:
+    with infinity.zero.Init():
+        early = nn.Linear(4, 4)
+    with infinity.zero.GatheredParameters([early.weight], modifier_rank=1):
+        early.weight.data.fill_(2.0 if rank == 1 else -1.0)
+    with infinity.zero.GatheredParameters([early.weight]):
+        early_seen = early.weight.detach().clone()
+
+    model = build("mlp")
+    engine, *_ = infinity.initialize(
+        model=model, config=engine_config(stage=3, micro=4, accumulation=1, lr=0.0, clip=0.0)
+    )
+    weight = engine.module[2].weight
+    with infinity.zero.GatheredParameters([weight], modifier_rank=0):
+        weight.data.fill_(0.5 if rank == 0 else 9.0)
+    with infinity.zero.GatheredParameters([weight]):
+        after_exit = weight.detach().clone()
+    with infinity.zero.GatheredParameters([weight]):  # without modifier_rank edits are dropped
+        weight.data.fill_(-3.0)
+    inputs, target = global_batch("mlp", 0, 4)
+    engine.backward(loss_fn("mlp", engine(inputs), target))
+    engine.step()  # lr 0: the step republishes the masters, which must hold the edit
+    with infinity.zero.GatheredParameters([weight]):
+        after_step = weight.detach().clone()
+    engine.destroy()
+    return {"early": early_seen, "after_exit": after_exit, "after_step": after_step}
+
+
+def test_gathered_parameters_modifier_rank_edits_reach_every_rank_and_the_masters(tmp_path):
+    for result in run_distributed(_edit_with_modifier_rank, 2, tmp_path, timeout_s=120):
+        assert torch.all(result["early"] == 2.0)
+        assert torch.all(result["after_exit"] == 0.5)
+        assert torch.all(result["after_step"] == 0.5)
+
+
+def _save_16bit(rank: int, world_size: int, save_dir: str, gather: bool) -> dict:
+    config = engine_config(stage=3, micro=2, accumulation=1, lr=1e-2, clip=0.0, precision="bf16")
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather
+    engine, *_ = infinity.initialize(model=build("transformer"), config=config)
+    for step in range(3):
+        inputs, target = global_batch("transformer", step, 2 * world_size)
+        mine = slice(rank * 2, rank * 2 + 2)
+        engine.backward(loss_fn("transformer", engine(inputs[mine]), target[mine]))
+        engine.step()
+    saved = engine.save_16bit_model(save_dir, "model.bin")
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"saved": saved, "params": params}
+
+
+def test_save_16bit_model_loads_into_the_plain_model(tmp_path):
+    results = run_distributed(_save_16bit, 2, tmp_path, timeout_s=120, save_dir=str(tmp_path), gather=True)
+    assert all(r["saved"] for r in results)
+    plain = build("transformer").to(torch.bfloat16)
+    plain.load_state_dict(torch.load(os.path.join(tmp_path, "model.bin")), strict=True)
+    for name, param in plain.named_parameters():
+        assert param.dtype == torch.bfloat16
+        assert torch.equal(param, results[0]["params"][name]), name
+        assert torch.equal(param, results[1]["params"][name]), name
+
+
+def test_save_16bit_model_at_stage3_needs_the_gather_flag(tmp_path):
+    (tmp_path / "out").mkdir()
+    results = run_distributed(_save_16bit, 2, tmp_path, timeout_s=120, save_dir=str(tmp_path / "out"), gather=False)
+    assert not any(r["saved"] for r in results)
+    assert not os.listdir(tmp_path / "out")
