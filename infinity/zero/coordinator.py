@@ -1,16 +1,17 @@
 """The ZeRO-3 fetch coordinator: records the trace, fetches and prefetches units, releases them, never hangs.
 
-[Note: lockstep fetches]
+[Note: fetch rendezvous]
 Every all-gather must be issued in the same order on every rank, even when ranks run different modules (a
-rank-dependent branch). So at every event (a module about to run forward or backward) each rank takes part in
-one small exchange on the fetch group: [trace position, state digest, the units it needs]. Then every rank
-all-gathers the union of the needed units in unit order (a unit this rank does not need goes into a scratch
-buffer). Prefetches are issued only when the exchange shows every rank at the same position of the same
-agreed trace with the same resident units: then every rank computes the same plan. When a rank finishes its
-pass early it keeps answering exchanges with "done" (the drain in end_pass) until every rank is done; the
-last exchange also compares the traces just recorded, and prefetch is used on the next pass only if they agree.
-Gradient reductions use the other group, so their timing never interleaves with fetches.
-With one process there is nothing to exchange and the same decisions are taken locally.
+rank-dependent branch) or plan different prefetches. So no rank ever all-gathers on its own: a rank that wants
+units (needed now, or planned as prefetch along its trace) first takes part in a small exchange on the fetch
+group, a header listing them; then every rank all-gathers the union of all ranks' lists, in unit order (a unit
+this rank did not ask for goes into a scratch buffer and is dropped). The sequence of collectives is thus a
+function of the exchanged headers alone, identical on every rank, whatever each rank's trace or state.
+A rank with nothing to ask issues nothing: on an agreed trace every rank asks at the same events (identical
+traces, identical plans), and a rank whose header finds the others elsewhere simply waits until they ask next.
+A rank that finishes its pass keeps answering with "done" headers (the drain in end_pass) until every rank is
+done, so a request is always answered. Gradient reductions use the other group, so their timing never
+interleaves with fetches. With one process there is nothing to exchange.
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ from infinity.zero.units import UnitState, UnitTable
 
 logger = logging.getLogger("infinity")
 
-_DONE = -2  # trace position a rank reports while draining
-_MASK = (1 << 62) - 1
+_DONE = -2  # header status of a rank that has finished its pass
 
 
 @dataclass(slots=True)
@@ -79,9 +79,8 @@ class Coordinator:
         self.comm = comm  # the fetch group
         self.knobs = knobs
         self._numel = tuple(unit.numel for unit in table.units)
-        self._width = max(1, max(len(u) for u in table.module_units))  # units per exchange round
+        self._width = max(16, max(len(u) for u in table.module_units))  # units per header round
         self._traces: dict[bool, Trace] = {}  # by grad mode: a training pass and an eval forward differ
-        self._trace_agreed: dict[bool, bool] = {}
         self._seen_signatures: set[int] = set()
         self._live: set[int] = set()  # gathered or in flight, non-persistent
         self._live_numel = 0
@@ -99,7 +98,7 @@ class Coordinator:
         self._reset_pass(grad_mode=torch.is_grad_enabled())
         self.in_pass = True
         if self._on_trace:
-            self._prefetch(-1)  # every rank is fully released and holds the same agreed trace
+            self._fetch([], self._plan_prefetch(-1))
 
     def end_pass(self) -> None:
         if not self.in_pass:
@@ -107,7 +106,7 @@ class Coordinator:
         if self._on_trace and self._position != len(self._trace) - 1:
             self._diverge("the end of the pass")
         recorded = Trace.build(self._recorded, [self.table.module_units[e.module] for e in self._recorded], self._numel)
-        signatures = self._drain(recorded.signature())
+        self._drain()
         for index in list(self._live):
             self._release(index)
         mode = self._grad_mode
@@ -123,7 +122,6 @@ class Coordinator:
                 )  # fmt: skip
             self._seen_signatures.add(signature)
             self._traces[mode] = recorded
-        self._trace_agreed[mode] = len(set(signatures)) == 1 and len(recorded) > 0
         self.in_pass = False
         self.stats.passes = 1
         self.step_stats.merge(self.stats)
@@ -150,12 +148,8 @@ class Coordinator:
         needs = [u for u in units if self.table.units[u].state is UnitState.RELEASED]
         if needs:
             self._evict_for(sum(self._numel[u] for u in needs), keep=set(units))
-        union, agreed = self._exchange(self._position if self._on_trace else -1, self._digest(), needs)
-        for index in union:
-            if index in needs:
-                self._gather(index, async_op=False)
-            else:  # another rank needs it: take part, keep nothing
-                self._gather_for_others(index)
+        plan = self._plan_prefetch(self._position, about_to_gather=needs) if self._on_trace else []
+        self._fetch(needs, plan)
         self.stats.fetches += len(units)
         self.stats.on_demand += len(needs)
         for index in units:
@@ -169,8 +163,6 @@ class Coordinator:
                 self.stats.already_gathered += 1
             self._prefetched.discard(index)
         self.stats.blocked_s += time.perf_counter() - started
-        if agreed:
-            self._prefetch(self._position)
 
     def after_forward(self, module: int) -> None:
         """Releases the module's units unless the trace says they are reused soon. Not during backward:
@@ -198,12 +190,7 @@ class Coordinator:
         if unit not in self.table.module_units[module]:
             self.table.module_units[module] += (unit,)
         started = time.perf_counter()
-        union, _ = self._exchange(-1, self._digest(), [unit])
-        for index in union:
-            if index == unit:
-                self._gather(index, async_op=False)
-            else:
-                self._gather_for_others(index)
+        self._fetch([unit], [])
         self.stats.fetches += 1
         self.stats.on_demand += 1
         self.stats.blocked_s += time.perf_counter() - started
@@ -231,9 +218,7 @@ class Coordinator:
     def _reset_pass(self, *, grad_mode: bool) -> None:
         self._grad_mode = grad_mode
         self._trace = self._traces.get(grad_mode)
-        self._on_trace = (
-            self._trace is not None and self._trace_agreed.get(grad_mode, False) and self.knobs.prefetch_numel > 0
-        )
+        self._on_trace = self._trace is not None and self.knobs.prefetch_numel > 0
         self._position = -1
         self._phase = FORWARD
         self._recorded: list[Event] = []
@@ -261,45 +246,53 @@ class Coordinator:
         self._on_trace = False
         self._position = -1
 
-    def _digest(self) -> int:
-        return hash(tuple(sorted(self._live))) & _MASK
+    def _fetch(self, needs: list[int], prefetch: list[int]) -> None:
+        """[Note: fetch rendezvous]: needs are gathered now, prefetches asynchronously."""
+        if not needs and not prefetch:
+            return
+        union = sorted(set(needs) | set(prefetch)) if not self.comm.active else self._rendezvous(needs + prefetch)
+        for index in union:
+            if index in needs:
+                self._gather(index, async_op=False)
+            elif index in prefetch and self.table.units[index].state is UnitState.RELEASED:
+                self._gather(index, async_op=True)
+                self._prefetched.add(index)
+                self.stats.prefetches += 1
+            else:  # another rank asked for it: take part, keep nothing
+                self._gather_for_others(index)
 
-    def _exchange(self, position: int, digest: int, needs: list[int]) -> tuple[list[int], bool]:
-        """[Note: lockstep fetches]. Returns the union of needed units and whether prefetching is agreed."""
+    def _drain(self) -> None:
+        """Answer other ranks' requests until every rank is done with its pass."""
         if not self.comm.active:
-            return sorted(needs), position >= 0
-        first, union = self._rounds(position, digest, needs)
-        agreed = position >= 0 and bool((first[:, 0] == position).all()) and bool((first[:, 1] == digest).all())
-        return union, agreed
-
-    def _drain(self, signature: int) -> list[int]:
-        """Answer other ranks' fetches until every rank is done; returns every rank's trace signature."""
-        if not self.comm.active:
-            return [signature]
+            return
         while True:
-            first, union = self._rounds(_DONE, signature, [])
+            first, union = self._rounds(_DONE, [])
             if bool((first[:, 0] == _DONE).all()):
-                return first[:, 1].tolist()
+                return
             for index in union:
                 self._gather_for_others(index)
 
-    def _rounds(self, position: int, digest: int, needs: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """All-gathers [position, digest, more, up to ``width`` needed units] until no rank has more to say.
-        Returns every rank's first row and the union of all needed units, in unit order."""
+    def _rendezvous(self, wanted: list[int]) -> list[int]:
+        _, union = self._rounds(0, wanted)
+        return union
+
+    def _rounds(self, status: int, wanted: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """All-gathers headers [status, more, up to ``width`` units] until no rank has more to list. Returns
+        every rank's first header and the union of all listed units, in unit order."""
         union: set[int] = set()
         first = None
-        remaining = list(needs)
+        remaining = list(wanted)
         while True:
             chunk, remaining = remaining[: self._width], remaining[self._width :]
-            row = torch.full((3 + self._width,), -1, dtype=torch.int64)
-            row[0], row[1], row[2] = position, digest, 1 if remaining else 0
-            row[3 : 3 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            row = torch.full((2 + self._width,), -1, dtype=torch.int64)
+            row[0], row[1] = status, 1 if remaining else 0
+            row[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
             rows = torch.empty(self.comm.world_size * row.numel(), dtype=torch.int64)
             collectives.all_gather_pieces(self.comm, rows, row, async_op=False)
             rows = rows.view(self.comm.world_size, -1)
             first = rows if first is None else first
-            union.update(int(u) for u in rows[:, 3:].flatten().tolist() if u >= 0)
-            if not bool((rows[:, 2] == 1).any()):
+            union.update(int(u) for u in rows[:, 2:].flatten().tolist() if u >= 0)
+            if not bool((rows[:, 1] == 1).any()):
                 return first, sorted(union)
 
     def _gather(self, index: int, *, async_op: bool) -> None:
@@ -315,8 +308,8 @@ class Coordinator:
         collectives.all_gather_pieces(self.comm, scratch, unit.shard, async_op=False)
         self.stats.gathered_numel += self._numel[index]
 
-    def _prefetch(self, position: int) -> None:
-        plan, blocked_at = self._plan(position)
+    def _plan_prefetch(self, position: int, about_to_gather: list[int] = ()) -> list[int]:
+        plan, blocked_at = self._plan(position, about_to_gather)
         if blocked_at is not None and self._phase == FORWARD:
             # Units kept for reuse and not needed before the blocked one make room for it. Not in backward:
             # there a gathered unit may still wait for its gradients.
@@ -327,16 +320,13 @@ class Coordinator:
             if evictable:
                 for index in evictable:
                     self._release(index)
-                plan, _ = self._plan(position)
-        for index in plan:
-            if self.table.units[index].state is UnitState.RELEASED:
-                self._gather(index, async_op=True)
-                self._prefetched.add(index)
-                self.stats.prefetches += 1
+                plan, _ = self._plan(position, about_to_gather)
+        return plan
 
-    def _plan(self, position: int) -> tuple[list[int], int | None]:
+    def _plan(self, position: int, about_to_gather) -> tuple[list[int], int | None]:
         return plan_prefetch(
-            self._trace, position, resident=self._live, live_numel=self._live_numel,
+            self._trace, position, resident=self._live | set(about_to_gather),
+            live_numel=self._live_numel + sum(self._numel[u] for u in about_to_gather),
             prefetched_numel=sum(self._numel[u] for u in self._prefetched), knobs=self.knobs,
         )  # fmt: skip
 

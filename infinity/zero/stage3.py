@@ -1,7 +1,8 @@
 """ZeRO-3 module hooks. They only delegate to the coordinator; all decisions live there and in schedule.py.
 
-- root pre-forward: a pass begins; root post-forward without gradients (evaluation, generate()): it ends.
-  With gradients the engine ends it after backward.
+- root pre-forward: a pass begins, and _FetchOnUse watches for parameters used by a module that does not own
+  them; root post-forward without gradients (evaluation, generate()): the pass ends. With gradients the engine
+  ends it after backward. Every rank must run the same number of passes (as with DDP).
 - pre-forward of a module using units: fetch them. post-forward: maybe release them, and wrap the module's
   outputs in an autograd function whose backward is the module's pre-backward: fetch again before its
   backward runs (also when torch.utils.checkpoint recomputes: that is an ordinary forward inside backward).
@@ -30,10 +31,8 @@ from infinity.zero.units import Unit, UnitState, UnitTable, build_units
 class _FetchOnUse(TorchFunctionMode):
     """Active during forward: a torch call given a released parameter (one the running module does not own and
     so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
-    and writes (``param.data = ...``, which is how units attach and release) pass through.
-
-    Limitation: the first pass that reaches such a use must reach it on every rank (as it does unless the
-    model's control flow differs between ranks there); from then on the module fetches the unit itself."""
+    and writes (``param.data = ...``, which is how units attach and release) pass through. The fetch is a
+    rendezvous like any other ([Note: fetch rendezvous] in coordinator.py), so other ranks need not do the same."""
 
     def __init__(self, table: UnitTable, coordinator: Coordinator) -> None:
         super().__init__()
@@ -121,7 +120,7 @@ class Stage3:
 
 
 def fetch_comm(comm: Comm) -> Comm:
-    """A second group over the same ranks for fetches ([Note: lockstep fetches] in coordinator.py)."""
+    """A second group over the same ranks for fetches ([Note: fetch rendezvous] in coordinator.py)."""
     if not comm.active:
         return comm
     group = dist.new_group(ranks=list(range(comm.world_size)))
