@@ -203,7 +203,7 @@ def test_unresolvable_auto_names_the_key(raw, message):
         parse_config(raw)
 
 
-@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero2-offload"])
+@pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero2-offload", "zero3"])
 def test_ready_configs_load(name):
     from pathlib import Path
 
@@ -212,3 +212,5 @@ def test_ready_configs_load(name):
     assert c.bf16.enabled and c.train_batch_size == 8
     assert c.zero.stage == int(name[4])
     assert c.zero.offload_optimizer.enabled == name.endswith("offload")
+    if name == "zero3":
+        assert c.zero.overlap_comm and c.zero.stage3_gather_16bit_weights_on_model_save

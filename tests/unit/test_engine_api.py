@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import infinity
+import infinity.zero
 from infinity import ConfigError
 from infinity.config import parse_config
 from infinity.engine import build_optimizer
@@ -105,3 +106,62 @@ def test_wall_clock_breakdown_is_reported(caplog):
             engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
             engine.step()
     assert any("forward" in r.message and "optimizer step" in r.message for r in caplog.records)
+
+
+def test_stage3_reports_fetch_statistics(caplog):
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    engine, *_ = infinity.initialize(model=mlp(), config=base(steps_per_print=2, zero_optimization=zero))
+    assert engine.zero_stats()["fetches"] == 0  # nothing measured before the first step
+    with caplog.at_level("INFO", logger="infinity"):
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+    stats = engine.zero_stats()
+    assert stats["fetches"] == 4 and stats["passes"] == 1  # two modules, forward and backward
+    assert stats["prefetched_fraction"] == 1.0 and stats["peak_live_numel"] == 8 * 16 + 16 + 16 + 1
+    assert any("ZeRO-3 last step: 4 fetches, 100% prefetched" in r.message for r in caplog.records)
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # shards between steps
+    engine.destroy()
+
+
+def test_eval_forward_without_gradients_releases_everything():
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    engine, *_ = infinity.initialize(model=mlp(), config=base(zero_optimization=zero))
+    with torch.no_grad():
+        first = engine(torch.ones(2, 8))
+        again = engine(torch.ones(2, 8))
+    assert torch.equal(first, again)
+    assert not engine.stage3.coordinator.in_pass
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    engine.destroy()
+
+
+def test_save_16bit_model_below_stage3(tmp_path):
+    model = mlp()
+    engine, *_ = infinity.initialize(model=model, config=base(zero_optimization={"stage": 2}, bf16={"enabled": True}))
+    assert engine.save_16bit_model(tmp_path)
+    state = torch.load(tmp_path / "pytorch_model.bin")
+    assert list(state) == list(model.state_dict())
+    assert all(v.dtype == torch.bfloat16 for v in state.values())
+    assert torch.equal(state["0.weight"], model[0].weight)
+
+
+def test_zero_init_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="zero.Init\\(module=...\\)"):
+        infinity.zero.Init(module=mlp())
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match="offload_param.device 'cpu' is not implemented"):
+        infinity.zero.Init(config=config)
+
+
+def test_zero_init_in_one_process_partitions_and_restores_torch():
+    original = torch.nn.Linear.__init__
+    with infinity.zero.Init():
+        layer = torch.nn.Linear(8, 4)
+    assert layer.weight.numel() == 0 and tuple(layer.weight.ds_shape) == (4, 8)
+    assert torch.nn.Linear.__init__ is original
+    plain = torch.nn.Linear(8, 4)
+    assert plain.weight.shape == (4, 8)
+    with infinity.zero.GatheredParameters(layer.parameters()):
+        assert layer.weight.shape == (4, 8)
+    assert layer.weight.numel() == 0
