@@ -201,15 +201,20 @@ class Coordinator:
             self._release(unit)
 
     # ---- outside a pass (GatheredParameters, saving) ----
-    def gather_now(self, index: int) -> bool:
-        """Gathers a unit for use outside forward/backward; True if it was released (the caller releases it)."""
-        unit = self.table.units[index]
-        if unit.state is UnitState.IN_FLIGHT:
-            unit.wait()
-        if unit.state is UnitState.GATHERED:
-            return False
-        unit.gather(self.comm, async_op=False)
-        return True
+    def gather_now(self, indices: list[int]) -> list[bool]:
+        """Gathers units for use outside forward/backward (every rank calls this with the same units, as
+        GatheredParameters requires); per unit, whether it was released (the caller releases it again). Always a
+        rendezvous, so a rank that already holds a unit still answers the ones that do not."""
+        for index in indices:
+            self.table.units[index].wait()
+        wanted = [i for i in indices if self.table.units[i].state is UnitState.RELEASED]
+        union = self._rendezvous(wanted) if self.comm.active else wanted
+        for index in union:
+            if index in wanted:
+                self.table.units[index].gather(self.comm, async_op=False)
+            else:
+                self._gather_for_others(index)
+        return [i in wanted for i in indices]
 
     def release_now(self, index: int) -> None:
         self._release(index)

@@ -96,7 +96,7 @@ class Stage3:
     def gather(self, params) -> list[tuple[int, bool]]:
         """Gathers the units holding ``params``: (unit, whether it was released and must be released again)."""
         units = sorted({found[0].index for p in params if (found := self.table.unit_of(p)) is not None})
-        return [(index, self.coordinator.gather_now(index)) for index in units]
+        return list(zip(units, self.coordinator.gather_now(units), strict=True))
 
     def partition(self, gathered: list[tuple[int, bool]], *, modifier_rank: int | None) -> None:
         """Ends a gather: with modifier_rank, its values go to every rank and into the shards first."""

@@ -26,7 +26,7 @@ FP32_RTOL = 1e-5
 # reference distance plus one bf16 ulp. Losses, which average over everything, must agree within 3e-2.
 BF16_LOSS_RTOL, BF16_ULP = 3e-2, 2**-8
 
-PLACEMENTS = [(0, False), (1, False), (2, False), (1, True), (2, True)]
+PLACEMENTS = [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]
 
 
 def matrix(world_size: int) -> dict[str, tuple[str, dict, dict]]:
@@ -41,7 +41,7 @@ def matrix(world_size: int) -> dict[str, tuple[str, dict, dict]]:
                 engine_config(stage=stage, micro=micro, accumulation=2, lr=LR, clip=1.0, offload=offload),
                 {"clip": 1.0},
             )
-        for stage in (0, 2):
+        for stage in (0, 2, 3):
             entries[f"{model}-stage{stage}-bf16"] = (
                 model, engine_config(stage=stage, micro=micro, accumulation=2, lr=LR, clip=1.0, precision="bf16"),
                 {"clip": 1.0, "dtype": torch.bfloat16},
@@ -70,6 +70,9 @@ def matrix(world_size: int) -> dict[str, tuple[str, dict, dict]]:
             ),
             {"clip": 1.0},
         )
+    for _model, config, _ref in entries.values():
+        if config["zero_optimization"]["stage"] == 3:  # partition even these small parameters
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 64
     return entries
 
 
@@ -121,6 +124,9 @@ def test_partitioned_optimizer_state_is_split_across_ranks(results):
     full = per_rank[0]["transformer-stage0-fp32"]["state_bytes"]
     numel = sum(p.numel() for p in reference("transformer", 1.0)[1].values())
     assert full >= 3 * 4 * numel  # master + exp_avg + exp_avg_sq in fp32
+    for key in ("transformer-stage3-fp32", "transformer-stage3-offload-fp32"):
+        # Stage 3 keeps optimizer state for real elements only (no padding): every element exactly once.
+        assert sum(rank_result[key]["state_bytes"] for rank_result in per_rank) == 3 * 4 * numel
     for key in ("transformer-stage1-fp32", "transformer-stage2-fp32", "transformer-stage2-offload-fp32"):
         for rank_result in per_rank:
             ours = rank_result[key]["state_bytes"]
