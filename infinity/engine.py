@@ -25,7 +25,7 @@ from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
-from infinity.zero.init import materialize
+from infinity.zero.init import take_whole
 from infinity.zero.optimizer import UnitOptimizer, ZeroOptimizer
 from infinity.zero.stage3 import Stage3, setup_stage3
 
@@ -141,7 +141,7 @@ class Engine(nn.Module):
         if zero.stage == 3:
             self.stage3, shard_fp32 = setup_stage3(
                 self.module, comm=self.comm, zero=zero, dtype=self.compute_dtype, device=self.device,
-                full_value=materialize,
+                full_value=take_whole,
             )  # fmt: skip
             self.zero_optimizer = UnitOptimizer(
                 torch_optimizer, comm=self.comm, table=self.stage3.table, shard_fp32=shard_fp32,

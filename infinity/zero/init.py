@@ -61,10 +61,15 @@ def init_shard(param: nn.Parameter) -> InitShard | None:
     return getattr(param, "_infinity_shard", None)
 
 
-def materialize(param: nn.Parameter) -> torch.Tensor:
-    """The whole value of a parameter, gathering it if zero.Init partitioned it."""
+def take_whole(param: nn.Parameter) -> torch.Tensor:
+    """The whole value of a parameter for the engine's stage 3, which then owns it: a zero.Init piece is gathered
+    and dropped (kept, it would hold a second 1/N copy of the model)."""
     shard = init_shard(param)
-    return param.data if shard is None else shard.gather()
+    if shard is None:
+        return param.data
+    whole = shard.gather()
+    del param._infinity_shard
+    return whole
 
 
 def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool) -> None:
