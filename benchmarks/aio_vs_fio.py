@@ -101,7 +101,13 @@ def main() -> int:
     check_folder(folder, args.io_size)
     workdir = tempfile.mkdtemp(prefix="infinity-aio-vs-fio-", dir=folder)
     path = os.path.join(workdir, "bench.bin")
-    location = describe_location(workdir)
+    described = describe_location(workdir)
+    # No machine paths in committed results: the filesystem and the device's name say what was measured.
+    location = {
+        "filesystem": described["filesystem"],
+        "device": os.path.basename(described["device"]),
+        "direct_io": described["direct_io"],
+    }
     results = {"rows": [], "naive": {}}
     try:
         ring = Engine(path, args.io_size, max(c.block_size * c.queue_depth for c in ROWS))
