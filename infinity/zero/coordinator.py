@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -73,7 +73,45 @@ class FetchStats:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
+@dataclass(slots=True)
+class PassState:
+    """Where one forward+backward pass (or one forward without gradients) stands."""
+
+    grad_mode: bool
+    trace: Trace | None  # the order recorded for this grad mode, followed while on_trace
+    on_trace: bool
+    position: int = -1  # index in ``trace`` of the latest event, while on_trace
+    phase: str = FORWARD  # BACKWARD from the first pre-backward event on
+    recorded: list[Event] = field(default_factory=list)
+    divergence: tuple[str, str] | None = None  # (expected, actual) where the pass left the trace
+    event_position: dict[int, int] = field(default_factory=dict)  # module -> position of its latest forward
+    running: list[int] = field(default_factory=list)  # modules whose forward is running, innermost last
+
+
+@dataclass(slots=True)
+class Residency:
+    """Which non-persistent units are gathered or in flight on this rank, and how many elements that is."""
+
+    live: set[int] = field(default_factory=set)
+    live_numel: int = 0
+    prefetched: set[int] = field(default_factory=set)  # prefetched and not used yet
+
+    def add(self, index: int, numel: int) -> None:
+        if index not in self.live:
+            self.live.add(index)
+            self.live_numel += numel
+
+    def remove(self, index: int, numel: int) -> None:
+        if index in self.live:
+            self.live.discard(index)
+            self.live_numel -= numel
+        self.prefetched.discard(index)
+
+
 class Coordinator:
+    """Runtime of ZeRO-3 fetching: follows and records the trace, asks schedule.py what to prefetch and
+    release, and fetches through the rendezvous ([Note: fetch rendezvous])."""
+
     def __init__(self, table: UnitTable, comm: Comm, knobs: Knobs) -> None:
         self.table = table
         self.comm = comm  # the fetch group
@@ -82,10 +120,7 @@ class Coordinator:
         self._width = max(16, max(len(u) for u in table.module_units))  # units per header round
         self._traces: dict[bool, Trace] = {}  # by grad mode: a training pass and an eval forward differ
         self._seen_signatures: set[int] = set()
-        self._live: set[int] = set()  # gathered or in flight, non-persistent
-        self._live_numel = 0
-        self._prefetched: set[int] = set()  # prefetched and not used yet
-        self._event_position: dict[int, int] = {}  # module -> trace position of its latest forward event
+        self._resident = Residency()
         self.in_pass = False
         self.stats = FetchStats()  # this pass
         self.step_stats = FetchStats()  # passes since the last take_step_stats()
@@ -97,24 +132,26 @@ class Coordinator:
             self.end_pass()  # a forward that had no backward (evaluation with gradients on)
         self._reset_pass(grad_mode=torch.is_grad_enabled())
         self.in_pass = True
-        if self._on_trace:
+        if self._pass.on_trace:
             self._fetch([], self._plan_prefetch(-1))
 
     def end_pass(self) -> None:
         if not self.in_pass:
             return
-        if self._on_trace and self._position != len(self._trace) - 1:
+        if self._pass.on_trace and self._pass.position != len(self._pass.trace) - 1:
             self._diverge("the end of the pass")
-        recorded = Trace.build(self._recorded, [self.table.module_units[e.module] for e in self._recorded], self._numel)
+        recorded = Trace.build(
+            self._pass.recorded, [self.table.module_units[e.module] for e in self._pass.recorded], self._numel
+        )
         self._drain()
-        for index in list(self._live):
+        for index in list(self._resident.live):
             self._release(index)
-        mode = self._grad_mode
+        mode = self._pass.grad_mode
         previous = self._traces.get(mode)
         if previous is None or previous.signature() != recorded.signature():
             signature = recorded.signature()
-            if previous is not None and signature not in self._seen_signatures and self._divergence is not None:
-                expected, actual = self._divergence
+            if previous is not None and signature not in self._seen_signatures and self._pass.divergence is not None:
+                expected, actual = self._pass.divergence
                 logger.warning(
                     "ZeRO-3: this pass left the recorded module order (expected %s, got %s); fetched on demand "
                     "from there and re-recorded the order. This warning is not repeated for an order seen before.",
@@ -136,19 +173,19 @@ class Coordinator:
         if not self.in_pass:
             self.begin_pass()
         if phase == BACKWARD:
-            self._phase = BACKWARD
+            self._pass.phase = BACKWARD
         event = Event(module, phase)
         self._follow_trace(event)
-        self._recorded.append(event)
+        self._pass.recorded.append(event)
         if phase == FORWARD:
-            self._event_position[module] = self._position
-            self._running.append(module)
+            self._pass.event_position[module] = self._pass.position
+            self._pass.running.append(module)
         units = self.table.module_units[module]
         started = time.perf_counter()
         needs = [u for u in units if self.table.units[u].state is UnitState.RELEASED]
         if needs:
             self._evict_for(sum(self._numel[u] for u in needs), keep=set(units))
-        plan = self._plan_prefetch(self._position, about_to_gather=needs) if self._on_trace else []
+        plan = self._plan_prefetch(self._pass.position, about_to_gather=needs) if self._pass.on_trace else []
         self._fetch(needs, plan)
         self.stats.fetches += len(units)
         self.stats.on_demand += len(needs)
@@ -161,23 +198,23 @@ class Coordinator:
                 unit.wait()
             else:
                 self.stats.already_gathered += 1
-            self._prefetched.discard(index)
+            self._resident.prefetched.discard(index)
         self.stats.blocked_s += time.perf_counter() - started
 
     def after_forward(self, module: int) -> None:
         """Releases the module's units unless the trace says they are reused soon. Not during backward:
         there a forward is activation-checkpoint recomputation and its backward comes next."""
-        if self._running and self._running[-1] == module:
-            self._running.pop()
-        if self._phase == BACKWARD:
+        if self._pass.running and self._pass.running[-1] == module:
+            self._pass.running.pop()
+        if self._pass.phase == BACKWARD:
             return
-        position = self._event_position.get(module, -1)
+        position = self._pass.event_position.get(module, -1)
         for index in self.table.module_units[module]:
             keep = (
-                self._on_trace
+                self._pass.on_trace
                 and position >= 0
-                and keep_after_use(self._trace, position, index, self.knobs)
-                and self._live_numel <= self.knobs.max_live_numel
+                and keep_after_use(self._pass.trace, position, index, self.knobs)
+                and self._resident.live_numel <= self.knobs.max_live_numel
             )
             if not keep:
                 self._release(index)
@@ -186,7 +223,7 @@ class Coordinator:
         """The running module's forward used a parameter of a unit it does not own (a module reading a child's
         weight without calling the child). From now on the module fetches that unit too; now it is fetched on
         demand, through an exchange like any fetch."""
-        module = self._running[-1] if self._running else 0
+        module = self._pass.running[-1] if self._pass.running else 0
         if unit not in self.table.module_units[module]:
             self.table.module_units[module] += (unit,)
         started = time.perf_counter()
@@ -221,35 +258,32 @@ class Coordinator:
 
     # ---- internals ----
     def _reset_pass(self, *, grad_mode: bool) -> None:
-        self._grad_mode = grad_mode
-        self._trace = self._traces.get(grad_mode)
-        self._on_trace = self._trace is not None and self.knobs.prefetch_numel > 0
-        self._position = -1
-        self._phase = FORWARD
-        self._recorded: list[Event] = []
-        self._divergence: tuple[str, str] | None = None
-        self._event_position.clear()
-        self._running: list[int] = []  # modules whose forward is running, innermost last
+        trace = self._traces.get(grad_mode)
+        self._pass = PassState(
+            grad_mode=grad_mode, trace=trace, on_trace=trace is not None and self.knobs.prefetch_numel > 0
+        )
         self.stats = FetchStats()
 
     def _describe(self, event: Event) -> str:
         return f"{self.table.module_names[event.module]} ({event.phase})"
 
     def _follow_trace(self, event: Event) -> None:
-        if not self._on_trace:
+        if not self._pass.on_trace:
             return
-        following = self._position + 1
-        if following < len(self._trace) and self._trace.events[following] == event:
-            self._position = following
+        following = self._pass.position + 1
+        if following < len(self._pass.trace) and self._pass.trace.events[following] == event:
+            self._pass.position = following
             return
         self._diverge(self._describe(event))
 
     def _diverge(self, actual: str) -> None:
-        following = self._position + 1
-        expected = self._describe(self._trace.events[following]) if following < len(self._trace) else "the end"
-        self._divergence = (expected, actual)
-        self._on_trace = False
-        self._position = -1
+        following = self._pass.position + 1
+        expected = (
+            self._describe(self._pass.trace.events[following]) if following < len(self._pass.trace) else "the end"
+        )
+        self._pass.divergence = (expected, actual)
+        self._pass.on_trace = False
+        self._pass.position = -1
 
     def _fetch(self, needs: list[int], prefetch: list[int]) -> None:
         """[Note: fetch rendezvous]: needs are gathered now, prefetches asynchronously."""
@@ -261,7 +295,7 @@ class Coordinator:
                 self._gather(index, async_op=False)
             elif index in prefetch and self.table.units[index].state is UnitState.RELEASED:
                 self._gather(index, async_op=True)
-                self._prefetched.add(index)
+                self._resident.prefetched.add(index)
                 self.stats.prefetches += 1
             else:  # another rank asked for it: take part, keep nothing
                 self._gather_for_others(index)
@@ -302,10 +336,9 @@ class Coordinator:
 
     def _gather(self, index: int, *, async_op: bool) -> None:
         self.table.units[index].gather(self.comm, async_op=async_op)
-        self._live.add(index)
-        self._live_numel += self._numel[index]
+        self._resident.add(index, self._numel[index])
         self.stats.gathered_numel += self._numel[index]
-        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._live_numel)
+        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._resident.live_numel)
 
     def _gather_for_others(self, index: int) -> None:
         unit = self.table.units[index]
@@ -315,12 +348,14 @@ class Coordinator:
 
     def _plan_prefetch(self, position: int, about_to_gather: list[int] = ()) -> list[int]:
         plan, blocked_at = self._plan(position, about_to_gather)
-        if blocked_at is not None and self._phase == FORWARD:
+        if blocked_at is not None and self._pass.phase == FORWARD:
             # Units kept for reuse and not needed before the blocked one make room for it. Not in backward:
             # there a gathered unit may still wait for its gradients.
-            needed = used_between(self._trace, max(position, 0), blocked_at) | set(plan)
+            needed = used_between(self._pass.trace, max(position, 0), blocked_at) | set(plan)
             evictable = [
-                u for u in self._live - self._prefetched - needed if self.table.units[u].state is UnitState.GATHERED
+                u
+                for u in self._resident.live - self._resident.prefetched - needed
+                if self.table.units[u].state is UnitState.GATHERED
             ]
             if evictable:
                 for index in evictable:
@@ -330,18 +365,18 @@ class Coordinator:
 
     def _plan(self, position: int, about_to_gather) -> tuple[list[int], int | None]:
         return plan_prefetch(
-            self._trace, position, resident=self._live | set(about_to_gather),
-            live_numel=self._live_numel + sum(self._numel[u] for u in about_to_gather),
-            prefetched_numel=sum(self._numel[u] for u in self._prefetched), knobs=self.knobs,
+            self._pass.trace, position, resident=self._resident.live | set(about_to_gather),
+            live_numel=self._resident.live_numel + sum(self._numel[u] for u in about_to_gather),
+            prefetched_numel=sum(self._numel[u] for u in self._resident.prefetched), knobs=self.knobs,
         )  # fmt: skip
 
     def _evict_for(self, numel: int, *, keep: set[int]) -> None:
         """Before a demand fetch beyond max_live_parameters, release units kept for reuse (forward only: in
         backward a gathered unit is waiting for its gradients)."""
-        if self._phase == BACKWARD:
+        if self._pass.phase == BACKWARD:
             return
-        for index in sorted(self._live - keep - self._prefetched, key=lambda u: -self._numel[u]):
-            if self._live_numel + numel <= self.knobs.max_live_numel:
+        for index in sorted(self._resident.live - keep - self._resident.prefetched, key=lambda u: -self._numel[u]):
+            if self._resident.live_numel + numel <= self.knobs.max_live_numel:
                 return
             if self.table.units[index].state is UnitState.GATHERED:
                 self._release(index)
@@ -352,7 +387,4 @@ class Coordinator:
             return
         unit.wait()  # a collective still writing into the buffer must finish first
         unit.release()
-        if index in self._live:
-            self._live.discard(index)
-            self._live_numel -= self._numel[index]
-        self._prefetched.discard(index)
+        self._resident.remove(index, self._numel[index])

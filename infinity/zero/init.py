@@ -37,10 +37,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.partition import ALIGN
+from infinity.zero.units import stage3_runtime
 
 
 @dataclass(slots=True)
@@ -57,8 +59,12 @@ class InitShard:
         return full[: self.shape.numel()].view(self.shape)
 
 
+# Which parameters zero.Init partitioned: state kept beside the parameters, not stuck onto them.
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def init_shard(param: nn.Parameter) -> InitShard | None:
-    return getattr(param, "_infinity_shard", None)
+    return _SHARDS.get(param)
 
 
 def take_whole(param: nn.Parameter) -> torch.Tensor:
@@ -68,7 +74,7 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
     if shard is None:
         return param.data
     whole = shard.gather()
-    del param._infinity_shard
+    del _SHARDS[param]
     return whole
 
 
@@ -88,8 +94,8 @@ def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool) -> None:
     piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel].clone()
     shard = init_shard(param)
     if shard is None:
-        param._infinity_shard = InitShard(shape=data.shape, piece=piece, comm=comm)
-        param.ds_shape = data.shape
+        _SHARDS[param] = InitShard(shape=data.shape, piece=piece, comm=comm)
+        param.ds_shape = data.shape  # DeepSpeed's public attributes of a partitioned parameter
         param.ds_numel = numel
     else:
         shard.piece.copy_(piece)
@@ -269,7 +275,7 @@ class GatheredParameters:
     def __enter__(self):
         if not self.enabled:
             return self
-        runtimes = {id(r): r for p in self.params if (r := getattr(p, "_infinity_stage3", None)) is not None}
+        runtimes = {id(r): r for p in self.params if (r := stage3_runtime(p)) is not None}
         if len(runtimes) > 1:
             raise ValueError("GatheredParameters: the parameters belong to different engines; gather them separately")
         if runtimes:

@@ -25,7 +25,7 @@ from infinity.config import ZeroConfig
 from infinity.zero.collectives import Comm
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.schedule import BACKWARD, FORWARD, Knobs
-from infinity.zero.units import Unit, UnitState, UnitTable, build_units
+from infinity.zero.units import Unit, UnitState, UnitTable, build_units, register_runtime
 
 
 class _FetchOnUse(TorchFunctionMode):
@@ -143,8 +143,7 @@ def setup_stage3(
     )
     coordinator = Coordinator(table, fetch_comm(comm), knobs)
     stage3 = Stage3(table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator))
-    for param in table.parameters():
-        param._infinity_stage3 = stage3  # how GatheredParameters finds the runtime
+    register_runtime(table.parameters(), stage3)  # how GatheredParameters finds it
     return stage3, shard_fp32
 
 

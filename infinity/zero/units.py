@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
@@ -122,6 +123,19 @@ class UnitTable:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for unit in self.units for p in unit.params]
+
+
+# The stage-3 runtime that owns each parameter (GatheredParameters looks it up), beside the parameters.
+_RUNTIMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_runtime(params, runtime) -> None:
+    for param in params:
+        _RUNTIMES[param] = runtime
+
+
+def stage3_runtime(param: nn.Parameter):
+    return _RUNTIMES.get(param)
 
 
 def _owners(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:

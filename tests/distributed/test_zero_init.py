@@ -10,6 +10,7 @@ from torch import nn
 
 import infinity
 import infinity.zero
+from infinity.zero.init import init_shard
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import build, engine_config, global_batch, loss_fn
 
@@ -74,7 +75,7 @@ def _hf_under_init(rank: int, world_size: int) -> dict:
         model=partitioned, config=engine_config(stage=3, micro=4, accumulation=1, lr=1e-3, clip=0.0)
     )
     engine_loss = loss_fn("gpt2", engine(inputs), target).item()
-    pieces_left = any(hasattr(p, "_infinity_shard") for p in partitioned.parameters())  # the engine owns them now
+    pieces_left = any(init_shard(p) is not None for p in partitioned.parameters())  # the engine owns them now
     engine.destroy()
     return {"same": same, "tied": tied, "plain_loss": plain_loss, "engine_loss": engine_loss, "left": pieces_left}
 
