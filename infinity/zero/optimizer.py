@@ -287,7 +287,10 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def _collect_grads(self) -> None:
         for grad, index in zip(self.grad_shards, self._index, strict=True):
-            grad.copy_(self.grad_flat.index_select(0, index))
+            if grad.device == self.grad_flat.device:
+                torch.index_select(self.grad_flat, 0, index, out=grad)  # straight in, no temporary
+            else:  # offloaded masters: gather on the device, then one copy to the host
+                grad.copy_(self.grad_flat.index_select(0, index))
 
     def _publish_weights(self) -> None:
         """New compute-dtype pieces into the shard; the persistent unit, always gathered, is gathered anew."""
