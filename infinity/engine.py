@@ -66,6 +66,13 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return groups
 
 
+def _not_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The model's parameters in no param group: frozen ones, and trainable ones left out of model_parameters
+    (DeepSpeed casts them to the compute dtype and does not update them)."""
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [p for p in model.parameters() if id(p) not in optimized]
+
+
 def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torch.optim.Optimizer:
     """The optimizer section as a torch optimizer. DeepSpeed's "Adam" decouples weight decay (adam_w_mode
     defaults to true), so it is AdamW unless adam_w_mode is false. On the CPU, Adam/AdamW use the fused
@@ -121,11 +128,12 @@ class Engine(nn.Module):
         )
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
-        self.module = model.to(self.device)
-        for buffer in self.module.buffers():
-            if buffer.is_floating_point():
-                buffer.data = buffer.data.to(self.compute_dtype)
         zero = self.config.zero
+        # Stage 3 moves parameters to the device unit by unit as it partitions them: the whole model never is.
+        self.module = model if zero.stage == 3 else model.to(self.device)
+        for buffer in self.module.buffers():
+            dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype
+            buffer.data = buffer.data.to(device=self.device, dtype=dtype)
         groups = _param_groups(self.module, model_parameters)
         if user_optimizer is not None:
             torch_optimizer = user_optimizer
@@ -146,19 +154,17 @@ class Engine(nn.Module):
             self.zero_optimizer = UnitOptimizer(
                 torch_optimizer, comm=self.comm, table=self.stage3.table, shard_fp32=shard_fp32,
                 compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
-                on_grads_done=self.stage3.coordinator.on_grads_done,
+                on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
+            self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
             del shard_fp32
         else:
             self.zero_optimizer = ZeroOptimizer(
                 torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,
                 device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-                offload=offload,
+                offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
-            for param in self.module.parameters():
-                if not param.requires_grad and param.is_floating_point():
-                    param.data = param.data.to(self.compute_dtype)
         self.optimizer = self.zero_optimizer
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         if self.config.scheduler is not None:
@@ -222,13 +228,13 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         start = time.perf_counter()
-        reducer = self.zero_optimizer.reducer
-        reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
-        (loss.float() * scale).backward()
+        scaled = loss.float() * scale
+        self.zero_optimizer.begin_backward(scaled, boundary=self.is_gradient_accumulation_boundary())
+        scaled.backward()
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
-        reducer.finish_backward()
+        self.zero_optimizer.reducer.finish_backward()
         self._phase_seconds["backward"] += time.perf_counter() - start
         return loss
 

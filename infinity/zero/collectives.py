@@ -36,6 +36,23 @@ class Pending:
         self._work = work
         self._finish = finish
 
+    def done(self) -> bool:
+        """The collective has completed (waiting would not block)."""
+        return self._work is None or self._work.is_completed()
+
+    def then(self, after) -> Pending:
+        """This collective followed by ``after()`` once it has finished (this object is used up)."""
+        first = self._finish
+
+        def finish() -> None:
+            if first is not None:
+                first()
+            after()
+
+        chained = Pending(self._work, finish)
+        self._work, self._finish = None, None
+        return chained
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()

@@ -12,12 +12,24 @@ traces, identical plans), and a rank whose header finds the others elsewhere sim
 A rank that finishes its pass keeps answering with "done" headers (the drain in end_pass) until every rank is
 done, so a request is always answered. Gradient reductions use the other group, so their timing never
 interleaves with fetches. With one process there is nothing to exchange.
+
+[Note: release after backward]
+In backward a unit is released when nothing of that backward can read it any more: every module use that
+registered a post-backward (a forward whose inputs required grad: the module's backward then ends when their
+gradients exist, as FSDP2 ties it) has finished, and every parameter of the unit that gets a gradient has
+accumulated it (autograd checks a gradient against its parameter's shape, so the parameter must be attached
+until then). Frozen parameters read by a module's backward are thus kept exactly as long as needed, and a
+unit of frozen parameters alone is released as soon as its module's backward is done. Parameters that get no
+gradient this backward (an unused branch) are counted as done before backward starts (see unused.py). What is
+still gathered when the pass ends is released then.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -86,6 +98,9 @@ class PassState:
     divergence: tuple[str, str] | None = None  # (expected, actual) where the pass left the trace
     event_position: dict[int, int] = field(default_factory=dict)  # module -> position of its latest forward
     running: list[int] = field(default_factory=list)  # modules whose forward is running, innermost last
+    # [Note: release after backward]
+    awaiting: dict[int, int] = field(default_factory=dict)  # unit -> module backwards registered, not yet done
+    grads_left: list[int] = field(default_factory=list)  # per unit: parameters whose gradient is still to come
 
 
 @dataclass(slots=True)
@@ -121,6 +136,8 @@ class Coordinator:
         self._traces: dict[bool, Trace] = {}  # by grad mode: a training pass and an eval forward differ
         self._seen_signatures: set[int] = set()
         self._resident = Residency()
+        self._grad_params = [0] * len(table.units)  # per unit: parameters that get a gradient in backward
+        self._pass_number = 0
         self.in_pass = False
         self.stats = FetchStats()  # this pass
         self.step_stats = FetchStats()  # passes since the last take_step_stats()
@@ -232,8 +249,37 @@ class Coordinator:
         self.stats.on_demand += 1
         self.stats.blocked_s += time.perf_counter() - started
 
-    def on_grads_done(self, unit: int) -> None:
-        """Every gradient of the unit has been taken: backward needs its parameters no more."""
+    # ---- the end of a unit's backward: [Note: release after backward] ----
+    def set_grad_params(self, counts: list[int]) -> None:
+        """Per unit, how many of its parameters get a gradient (trainable ones, optimized or not)."""
+        self._grad_params = list(counts)
+        self._pass.grads_left = list(counts)
+
+    def expect_module_backward(self, module: int) -> Callable[[], None] | None:
+        """The module is about to run forward with inputs that require grad: returns the callback its
+        post-backward calls, or None where no such wait applies (recomputation inside backward)."""
+        if self._pass.phase == BACKWARD or not self._pass.grad_mode:
+            return None
+        units = self.table.module_units[module]
+        for unit in units:
+            self._pass.awaiting[unit] = self._pass.awaiting.get(unit, 0) + 1
+        return functools.partial(self._module_backward_done, self._pass_number, units)
+
+    def on_param_grad(self, unit: int) -> None:
+        """One parameter of the unit has its gradient (or will get none: unused this backward)."""
+        self._pass.grads_left[unit] -= 1
+        self._release_if_backward_done(unit)
+
+    def _module_backward_done(self, pass_number: int, units: tuple[int, ...]) -> None:
+        if pass_number != self._pass_number or not self.in_pass:
+            return  # a pass that ended without its backward
+        for unit in units:
+            self._pass.awaiting[unit] -= 1
+            self._release_if_backward_done(unit)
+
+    def _release_if_backward_done(self, unit: int) -> None:
+        if self._pass.awaiting.get(unit, 0) > 0 or self._pass.grads_left[unit] > 0:
+            return
         if not self.table.units[unit].persistent and self.table.units[unit].state is not UnitState.RELEASED:
             self._release(unit)
 
@@ -260,8 +306,10 @@ class Coordinator:
     def _reset_pass(self, *, grad_mode: bool) -> None:
         trace = self._traces.get(grad_mode)
         self._pass = PassState(
-            grad_mode=grad_mode, trace=trace, on_trace=trace is not None and self.knobs.prefetch_numel > 0
-        )
+            grad_mode=grad_mode, trace=trace, on_trace=trace is not None and self.knobs.prefetch_numel > 0,
+            grads_left=list(self._grad_params),
+        )  # fmt: skip
+        self._pass_number += 1
         self.stats = FetchStats()
 
     def _describe(self, event: Event) -> str:

@@ -10,6 +10,7 @@ optimizer on the master shard (on the host with offload) -> new low-precision pi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from infinity.zero.collectives import Comm
 from infinity.zero.partition import Bucket, GroupLayout, ParamSlot, overlap, plan
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.units import Unit, UnitTable
+from infinity.zero.unused import reachable_leaves
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,29 @@ class PartitionedOptimizer:
     masters: list[nn.Parameter]
     grad_shards: list[torch.Tensor]
     reducer: GradientReducer
+    _hooks: list
+    _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
+
+    # ---- backward ----
+    def begin_backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+        """Before ``loss.backward()``: parameters that will get no gradient count as done at once
+        ([Note: unused parameters] in unused.py)."""
+        self.reducer.begin_backward(boundary=boundary)
+        reached = reachable_leaves(loss)
+        if reached is None:
+            return
+        for key, mark in self._no_grad_marks.items():
+            if key not in reached:
+                mark()
+
+    def _track_frozen(self, params: list[nn.Parameter], on_grad: Callable[[], None] | None = None) -> None:
+        """Parameters the optimizer does not update but autograd may give a gradient (trainable, yet not passed
+        to the optimizer): they behave as frozen, their gradients are dropped as they arrive."""
+        for param in params:
+            if param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(_drop_grad(on_grad)))
+                if on_grad is not None:
+                    self._no_grad_marks[id(param)] = on_grad
 
     # ---- the step ----
     def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
@@ -110,6 +135,16 @@ class PartitionedOptimizer:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._no_grad_marks.clear()
+
+
+def _drop_grad(then: Callable[[], None] | None):
+    def hook(param: torch.Tensor) -> None:
+        param.grad = None
+        if then is not None:
+            then()
+
+    return hook
 
 
 class ZeroOptimizer(PartitionedOptimizer):
@@ -126,7 +161,10 @@ class ZeroOptimizer(PartitionedOptimizer):
         bucket_numel: int,
         overlap_comm: bool,
         offload: bool,
+        frozen: list[nn.Parameter],
     ) -> None:
+        """``frozen``: the model's parameters that are not in the optimizer; they are cast to the compute dtype
+        and never updated."""
         self.optimizer = optimizer
         self.comm = comm
         self.stage = stage
@@ -152,12 +190,18 @@ class ZeroOptimizer(PartitionedOptimizer):
             device=device, overlap_comm=overlap_comm,
         )  # fmt: skip
         self._hooks = []
+        self._no_grad_marks = {}
         for g, (params, layout) in enumerate(zip(self.groups, self.layouts, strict=True)):
             for bucket in layout.buckets:
                 index = self.reducer.state_index(g, bucket.index)
                 for slot in bucket.slots:
-                    self._hooks.append(params[slot.param_index].register_post_accumulate_grad_hook(
-                        self._make_hook(index, slot.offset)))  # fmt: skip
+                    param = params[slot.param_index]
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(index, slot.offset)))
+                    self._no_grad_marks[id(param)] = functools.partial(self.reducer.on_no_grad, index)
+        for param in frozen:
+            if param.is_floating_point():
+                param.data = param.data.to(device=device, dtype=compute_dtype)
+        self._track_frozen(frozen)
 
     # ---- construction ----
     def _flatten_group(self, params: list[nn.Parameter], layout: GroupLayout) -> None:
@@ -225,8 +269,10 @@ class UnitOptimizer(PartitionedOptimizer):
         device: torch.device,
         overlap_comm: bool,
         offload: bool,
-        on_grads_done: Callable[[int], None],
+        on_param_grad: Callable[[int], None],
     ) -> None:
+        """``on_param_grad(unit)``: a parameter of the unit has its gradient, or gets none this backward (the
+        coordinator releases units on it). Trainable parameters outside the optimizer behave as frozen."""
         self.optimizer = optimizer
         self.comm = comm
         self.stage = 3
@@ -250,12 +296,6 @@ class UnitOptimizer(PartitionedOptimizer):
                 expected[unit.index] += 1
                 positions.append(_piece_positions(unit.bucket, unit.bucket.slots[position], comm.rank))
             self._index.append(torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long))
-        orphans = [p for p in table.parameters() if p.requires_grad and id(p) not in owner]
-        if orphans:
-            raise ConfigError(
-                f"{len(orphans)} parameter(s) require grad but are in no optimizer param group (first: shape "
-                f"{tuple(orphans[0].ds_shape)}); pass them to the optimizer or set requires_grad=False"
-            )
         self._index_master = [index.to(master_device) for index in self._index]
         self.masters = [nn.Parameter(shard_fp32.to(master_device)[index]) for index in self._index_master]
         self.grad_shards = [torch.zeros_like(master) for master in self.masters]
@@ -265,25 +305,36 @@ class UnitOptimizer(PartitionedOptimizer):
         self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), grad_shards=[self.grad_flat], shard_rank=comm.rank,
-            device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False,
+            device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
         )  # fmt: skip
         self._hooks = []
+        self._no_grad_marks = {}
+        self.grad_params_per_unit = [0] * len(table.units)
         for params in groups:
             for param in params:
                 unit, position = table.unit_of(param)
-                hook = self._make_hook(unit.index, unit.bucket.slots[position].offset, on_grads_done)
+                hook = self._make_hook(unit.index, unit.bucket.slots[position].offset, on_param_grad)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                self._no_grad_marks[id(param)] = functools.partial(self._no_grad, unit.index, on_param_grad)
+                self.grad_params_per_unit[unit.index] += 1
+        for unit in table.units:
+            orphans = [p for p in unit.params if p.requires_grad and id(p) not in owner]
+            self._track_frozen(orphans, functools.partial(on_param_grad, unit.index))
+            self.grad_params_per_unit[unit.index] += len(orphans)
 
-    def _make_hook(self, unit_index: int, offset: int, on_grads_done):
+    def _make_hook(self, unit_index: int, offset: int, on_param_grad: Callable[[int], None]):
         reducer = self.reducer
 
         def hook(param: torch.Tensor) -> None:
             reducer.on_grad(unit_index, offset, param.grad)
             param.grad = None
-            if reducer.is_complete(unit_index):
-                on_grads_done(unit_index)
+            on_param_grad(unit_index)
 
         return hook
+
+    def _no_grad(self, unit_index: int, on_param_grad: Callable[[int], None]) -> None:
+        self.reducer.on_no_grad(unit_index)
+        on_param_grad(unit_index)
 
     def _collect_grads(self) -> None:
         for grad, index in zip(self.grad_shards, self._index, strict=True):

@@ -52,6 +52,12 @@ class GradientReducer:
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
     keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
+    max_in_flight: int | None = 2  # reductions in flight before the oldest is waited for; None: never wait
+    # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous])
+    peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
+    peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
+    _waiting_bytes: int = 0
+    _in_use_bytes: int = 0  # buffers acquired and not yet returned (stages 0/1 keep theirs)
 
     def __post_init__(self) -> None:
         for layout in self.layouts:
@@ -72,15 +78,14 @@ class GradientReducer:
         for state in self._states:
             state.arrived = 0
 
-    def is_complete(self, state_index: int) -> bool:
-        state = self._states[state_index]
-        return state.arrived >= state.expected
-
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
         """Called from the parameter's post-accumulate-grad hook."""
         state = self._states[state_index]
         if state.buffer is None:
             state.buffer = self._acquire(state.bucket.padded_numel)
+            if self.stage >= 2:  # filled now, reduced when its turn in the launch order comes
+                self._waiting_bytes += state.buffer.numel() * 4
+                self.peak_waiting_bytes = max(self.peak_waiting_bytes, self._waiting_bytes)
         target = state.buffer[offset : offset + grad.numel()]
         if offset in state.written:
             target.add_(grad.reshape(-1))
@@ -89,9 +94,19 @@ class GradientReducer:
             state.written.add(offset)
         if not self.reduce_this_backward:
             return
+        self._arrived(state)
+
+    def on_no_grad(self, state_index: int) -> None:
+        """A parameter of the bucket gets no gradient this backward ([Note: unused parameters] in unused.py): it
+        counts as arrived now, and its slot is reduced as zeros (or as what earlier micro-steps accumulated)."""
+        if self.reduce_this_backward:
+            self._arrived(self._states[state_index])
+
+    def _arrived(self, state: _BucketState) -> None:
         state.arrived += 1
         if self.overlap_comm and state.arrived == state.expected:
             self._launch_ready_prefix(complete_only=True)
+            self._reap_finished()
 
     def finish_backward(self) -> None:
         if not self.reduce_this_backward:
@@ -102,6 +117,17 @@ class GradientReducer:
         self._pending.clear()
 
     # ---- internals ----
+    def _reap_finished(self) -> None:
+        """Finishes the reductions that are complete, so their buffers go back before backward ends."""
+        if any(p.done() for p in self._pending):
+            still = []
+            for pending in self._pending:
+                if pending.done():
+                    pending.wait()
+                else:
+                    still.append(pending)
+            self._pending = still
+
     def _launch_ready_prefix(self, *, complete_only: bool) -> None:
         while self._next < len(self._order):
             state = self._states[self._order[self._next]]
@@ -114,6 +140,8 @@ class GradientReducer:
         bucket = state.bucket
         if state.buffer is None:
             state.buffer = self._acquire(bucket.padded_numel)
+        elif self.stage >= 2:
+            self._waiting_bytes -= state.buffer.numel() * 4
         for slot in bucket.slots:  # parameters that got no gradient contribute zeros
             if slot.offset not in state.written:
                 state.buffer[slot.offset : slot.offset + slot.numel].zero_()
@@ -126,9 +154,10 @@ class GradientReducer:
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
             state.buffer = None  # back to the spares once the collective is done with it
 
-            def finish(pending=pending, piece=piece, target=target, buffer=buffer):
-                pending.wait()
-                target.add_(piece.to(target.device, non_blocking=True))
+            def finish(piece=piece, target=target, buffer=buffer):
+                # A copy to the host must be complete before the add reads it: no non_blocking here.
+                target.add_(piece.to(target.device, non_blocking=target.device == piece.device))
+                self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 if self.keep_spares:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)
 
@@ -136,15 +165,20 @@ class GradientReducer:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)
             start, end = bucket.piece_range(self.shard_rank)
 
-            def finish(pending=pending, buffer=buffer, target=target, start=start, end=end):
-                pending.wait()
-                target.copy_(buffer[start:end], non_blocking=True)  # the next window overwrites, then adds
+            def finish(buffer=buffer, target=target, start=start, end=end):
+                # The next window overwrites, then adds. Non-blocking only within one device: a host target
+                # is read by the step right after.
+                target.copy_(buffer[start:end], non_blocking=target.device == buffer.device)
 
-        self._pending.append(Pending(None, finish))
+        self._pending.append(pending.then(finish))
+        if self.max_in_flight is not None and len(self._pending) > self.max_in_flight:
+            self._pending.pop(0).wait()  # bounds the buffers in flight
 
     def _acquire(self, numel: int) -> torch.Tensor:
         """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps) or a new one.
         Only the padding must be zero; every slot is overwritten before it is read."""
+        self._in_use_bytes += numel * 4
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes)
         spares = self._spare.get(numel)
         if spares:
             return spares.pop()

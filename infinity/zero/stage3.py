@@ -3,10 +3,12 @@
 - root pre-forward: a pass begins, and _FetchOnUse watches for parameters used by a module that does not own
   them; root post-forward without gradients (evaluation, generate()): the pass ends. With gradients the engine
   ends it after backward. Every rank must run the same number of passes (as with DDP).
-- pre-forward of a module using units: fetch them. post-forward: maybe release them, and wrap the module's
-  outputs in an autograd function whose backward is the module's pre-backward: fetch again before its
+- pre-forward of a module using units: fetch them, and wrap the inputs that require grad in an autograd
+  function whose backward is the module's post-backward (its backward is done). post-forward: maybe release
+  the units, and wrap the outputs in one whose backward is the module's pre-backward: fetch again before its
   backward runs (also when torch.utils.checkpoint recomputes: that is an ordinary forward inside backward).
-- gradients: the optimizer's post-accumulate-grad hooks reduce them and call coordinator.on_grads_done.
+- gradients: the optimizer's post-accumulate-grad hooks reduce them and call coordinator.on_param_grad; a unit
+  is released once its backward is done ([Note: release after backward] in coordinator.py).
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ class _FetchOnUse(TorchFunctionMode):
         if getattr(func, "__name__", "") in ("__get__", "__set__"):  # attributes; units re-point param.data
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
-            if isinstance(value, list | tuple):
-                for item in value:
-                    self._check(item)
+            if isinstance(value, list | tuple | dict):  # parameters inside containers, at any depth
+                for leaf in _pytree.tree_leaves(value):
+                    self._check(leaf)
             else:
                 self._check(value)
         return func(*args, **kwargs)
@@ -58,8 +60,10 @@ class _FetchOnUse(TorchFunctionMode):
                 self.coordinator.on_external_use(found[0].index)
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a module's outputs; its backward runs before the module's own backward nodes."""
+class _OnBackward(torch.autograd.Function):
+    """Identity on some tensors; its backward calls ``callback`` when their gradients arrive. On a module's
+    outputs that is just before the module's backward (the pre-backward fetch); on its inputs, just after it
+    (the module's backward is done: [Note: release after backward] in coordinator.py)."""
 
     @staticmethod
     def forward(ctx, callback, *tensors):
@@ -72,17 +76,22 @@ class _PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _wrap_outputs(output, callback):
-    leaves, spec = _pytree.tree_flatten(output)
-    positions = [
-        i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad and leaf.is_floating_point()
-    ]
-    if not positions:
-        return output
-    wrapped = _PreBackward.apply(callback, *(leaves[i] for i in positions))
-    for i, tensor in zip(positions, wrapped, strict=True):
-        leaves[i] = tensor
-    return _pytree.tree_unflatten(leaves, spec)
+def _on_backward(values, callback_factory: Callable[[], Callable[[], None] | None]):
+    """``values`` with its tensors that require grad passed through _OnBackward; unchanged when none does or
+    the factory gives no callback. A tensor passed several times stays one object (nn.MultiheadAttention takes
+    its self-attention path only when query is key)."""
+    leaves, spec = _pytree.tree_flatten(values)
+    distinct: dict[int, torch.Tensor] = {}
+    for leaf in leaves:
+        if torch.is_tensor(leaf) and leaf.requires_grad and leaf.is_floating_point():
+            distinct.setdefault(id(leaf), leaf)
+    if not distinct:
+        return values
+    callback = callback_factory()
+    if callback is None:
+        return values
+    wrapped = dict(zip(distinct, _OnBackward.apply(callback, *distinct.values()), strict=True))
+    return _pytree.tree_unflatten([wrapped.get(id(leaf), leaf) for leaf in leaves], spec)
 
 
 @dataclass(slots=True)
@@ -151,12 +160,15 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
     fetch_on_use = _FetchOnUse(table, coordinator)
     entered: list[bool] = []  # whether the mode was entered by the running root forward
 
-    def pre_forward(index, module, args):
+    def pre_forward(index, module, args, kwargs):
         if index == 0:
             coordinator.begin_pass()
             fetch_on_use.__enter__()
             entered.append(True)
         coordinator.on_event(index, FORWARD)
+        if torch.is_grad_enabled() and table.module_units[index]:
+            return _on_backward((args, kwargs), functools.partial(coordinator.expect_module_backward, index))
+        return None
 
     def post_forward(index, module, args, output):
         if index == 0 and entered:
@@ -166,11 +178,11 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
         if index == 0 and not torch.is_grad_enabled():
             coordinator.end_pass()  # evaluation, generate(): no backward follows
         if torch.is_grad_enabled() and table.module_units[index]:
-            return _wrap_outputs(output, functools.partial(coordinator.on_event, index, BACKWARD))
+            return _on_backward(output, lambda: functools.partial(coordinator.on_event, index, BACKWARD))
         return output
 
     handles = []
     for index, module in enumerate(table.modules):
-        handles.append(module.register_forward_pre_hook(functools.partial(pre_forward, index)))
+        handles.append(module.register_forward_pre_hook(functools.partial(pre_forward, index), with_kwargs=True))
         handles.append(module.register_forward_hook(functools.partial(post_forward, index), always_call=True))
     return handles
