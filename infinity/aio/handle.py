@@ -257,8 +257,8 @@ class AioHandle:
                 failures.append(exc)
         if failures:
             first = failures[0]
-            if len(failures) > 1 and hasattr(first, "add_note"):
-                first.add_note(f"{len(failures) - 1} more of the {len(pending)} requests failed; {completed} completed")
+            if len(pending) > 1:  # the error names one request: say what became of the others
+                _add_note(first, f"{len(failures)} of the {len(pending)} requests failed; {completed} completed")
             raise first
         return completed
 
@@ -440,6 +440,13 @@ class AioHandle:
         finally:
             if in_flight is not None:  # an error stopped the loop: never leave I/O running into our buffer
                 in_flight.exception()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: the same attribute, which 3.11's tracebacks print
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 def _close_workers(workers: list[_Worker]) -> None:
