@@ -72,32 +72,36 @@ static void status_fail(inf_status *st, int kind, int64_t offset, int64_t length
 }
 
 /* Scratch for one loop: the iocbs, the pointer batch handed to io_submit, the reaped events,
- * and a stack of free iocb slots. One allocation, freed before the loop returns. */
+ * a stack of free iocb slots and which slots the kernel holds. One allocation, freed before the loop
+ * returns (the kernel copies an iocb at io_submit and writes events only inside io_getevents). */
 typedef struct ring {
     struct iocb *cbs;
     struct iocb **batch;
     struct io_event *events;
     int *free_slots;
+    unsigned char *busy;
     int num_free;
 } ring;
 
 static int ring_alloc(ring *r, int depth) {
     size_t bytes = (size_t)depth * (sizeof(struct iocb) + sizeof(struct iocb *) +
-                                    sizeof(struct io_event) + sizeof(int));
+                                    sizeof(struct io_event) + sizeof(int) + 1);
     char *mem = malloc(bytes);
     if (!mem) return -ENOMEM;
     r->cbs = (struct iocb *)mem;
     r->events = (struct io_event *)(r->cbs + depth);
     r->batch = (struct iocb **)(r->events + depth);
     r->free_slots = (int *)(r->batch + depth);
+    r->busy = (unsigned char *)(r->free_slots + depth);
     for (int i = 0; i < depth; i++) r->free_slots[i] = depth - 1 - i;
+    memset(r->busy, 0, (size_t)depth);
     r->num_free = depth;
     return 0;
 }
 
 int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t nbytes, int64_t offset,
                   uint64_t block_size, int queue_depth, int single_submit, int overlap_events,
-                  uint64_t buffer_wrap, inf_status *st) {
+                  uint64_t buffer_wrap, int64_t timeout_ns, inf_status *st) {
     status_init(st);
     if (queue_depth < 1 || block_size == 0 || offset < 0 || (buffer_wrap && buffer_wrap % block_size) ||
         (buffer_wrap && buffer_wrap / block_size < (uint64_t)queue_depth)) {
@@ -138,6 +142,7 @@ int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t n
                 long want = single_submit ? 1 : num_ready - submitted;
                 long got = inf_io_submit(ctx, want, r.batch + submitted);
                 if (got > 0) {
+                    for (long i = submitted; i < submitted + got; i++) r.busy[r.batch[i]->aio_data] = 1;
                     submitted += got;
                     in_flight += got;
                     continue;
@@ -168,7 +173,23 @@ int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t n
          * Otherwise: wait for the whole batch. */
         long min_nr = overlap_events ? 1 : in_flight;
         long max_nr = overlap_events ? 1 : queue_depth;
-        long got = inf_io_getevents(ctx, min_nr, max_nr, r.events, -1);
+        long got = inf_io_getevents(ctx, min_nr, max_nr, r.events, timeout_ns);
+        if (got == 0 && timeout_ns >= 0) {
+            /* Nothing completed in time (fewer than min_nr is progress: the loop waits again). Do not
+             * drain: the device may never answer. Report the oldest request in flight, which is the
+             * one with the lowest offset, since blocks are submitted in file order. */
+            int oldest = -1;
+            for (int slot = 0; slot < queue_depth; slot++)
+                if (r.busy[slot] && (oldest < 0 || r.cbs[slot].aio_offset < r.cbs[oldest].aio_offset))
+                    oldest = slot;
+            st->error_kind = INF_ERR_TIMEOUT;
+            st->error_errno = ETIMEDOUT;
+            st->fail_offset = oldest >= 0 ? (int64_t)r.cbs[oldest].aio_offset : offset;
+            st->fail_length = oldest >= 0 ? (int64_t)r.cbs[oldest].aio_nbytes : (int64_t)nbytes;
+            st->fail_result = -ETIMEDOUT;
+            free(r.cbs);
+            return INF_ERR_TIMEOUT;
+        }
         if (got < 0) {
             /* The kernel still owns in-flight requests; the caller must destroy this context
              * (io_destroy waits for them) before reusing the buffer. */
@@ -190,6 +211,7 @@ int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t n
             } else {
                 st->bytes_done += res;
             }
+            r.busy[slot] = 0;
             r.free_slots[r.num_free++] = slot;
             in_flight--;
         }

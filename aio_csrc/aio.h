@@ -23,7 +23,8 @@ enum inf_error_kind {
     INF_ERR_SUBMIT = 3,    /* io_submit failed */
     INF_ERR_REAP = 4,      /* io_getevents failed */
     INF_ERR_IO = 5,        /* one request completed with a negative errno */
-    INF_ERR_SHORT = 6      /* one request moved fewer bytes than asked (end of file on reads) */
+    INF_ERR_SHORT = 6,     /* one request moved fewer bytes than asked (end of file on reads) */
+    INF_ERR_TIMEOUT = 7    /* no completion within timeout_ns while requests were in flight */
 };
 
 /* The outcome of one blocked read/write loop. */
@@ -55,11 +56,16 @@ long inf_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event *
  * buffer_wrap: 0 for a buffer of nbytes; else the buffer holds buffer_wrap bytes (a multiple of
  * block_size, >= queue_depth blocks) and block i uses buf + (i * block_size) % buffer_wrap: a file
  * streamed through a ring, as fio does (benchmarks measure the disk at fio's memory footprint).
- * On failure it stops submitting, drains what is in flight (the buffer is the caller's) and
+ * timeout_ns bounds each wait for a completion (< 0: no limit). If none arrives within it while
+ * requests are in flight, the loop returns INF_ERR_TIMEOUT at once, without draining: st names the
+ * oldest request still in flight (the lowest file offset) with errno ETIMEDOUT. Those requests still
+ * own the buffer and the context: the caller must not reuse or free the buffer, and must not
+ * io_destroy the context (it waits for them, forever on a dead device).
+ * On any other failure it stops submitting, drains what is in flight (the buffer is the caller's) and
  * returns the error kind; st describes the first failure by file offset. */
 int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t nbytes, int64_t offset,
                   uint64_t block_size, int queue_depth, int single_submit, int overlap_events,
-                  uint64_t buffer_wrap, inf_status *st);
+                  uint64_t buffer_wrap, int64_t timeout_ns, inf_status *st);
 
 /* The same contract with plain pread/pwrite (for files that refuse O_DIRECT and for unaligned
  * tails). EINTR and partial writes are continued; a read that reaches end of file is SHORT. */

@@ -22,7 +22,8 @@ typedef struct inf_status {
 } inf_status;
 
 enum inf_error_kind {
-    INF_OK, INF_ERR_ARGUMENT, INF_ERR_SETUP, INF_ERR_SUBMIT, INF_ERR_REAP, INF_ERR_IO, INF_ERR_SHORT
+    INF_OK, INF_ERR_ARGUMENT, INF_ERR_SETUP, INF_ERR_SUBMIT, INF_ERR_REAP, INF_ERR_IO, INF_ERR_SHORT,
+    INF_ERR_TIMEOUT
 };
 
 long inf_io_setup(unsigned nr_events, aio_context_t *ctx);
@@ -34,7 +35,7 @@ long inf_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event *
                       int64_t timeout_ns);
 int inf_rw_direct(aio_context_t ctx, int fd, int is_write, void *buf, uint64_t nbytes,
                   int64_t offset, uint64_t block_size, int queue_depth, int single_submit,
-                  int overlap_events, uint64_t buffer_wrap, inf_status *st);
+                  int overlap_events, uint64_t buffer_wrap, int64_t timeout_ns, inf_status *st);
 int inf_rw_buffered(int fd, int is_write, void *buf, uint64_t nbytes, int64_t offset,
                     inf_status *st);
 const char *inf_backend(void);

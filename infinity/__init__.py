@@ -5,6 +5,7 @@ from infinity.config import Config, parse_config
 from infinity.engine import Engine, initialize
 from infinity.errors import (
     AioError,
+    AioTimeoutError,
     CheckpointError,
     ConfigError,
     InfinityError,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AioError",
     "AioHandle",
+    "AioTimeoutError",
     "AioSettings",
     "CheckpointError",
     "Config",

@@ -46,3 +46,10 @@ class AioError(InfinityError):
 
 class ShortTransferError(AioError):
     """Fewer bytes moved than asked: end of file on a read, a full disk on a write."""
+
+
+class AioTimeoutError(AioError):
+    """No request completed within the handle's timeout (errno ETIMEDOUT): the disk may be stalled.
+
+    The requests still in flight keep their buffers and AIO context for the life of the process, and
+    the handle that raised this refuses further requests (see AioHandle)."""

@@ -7,7 +7,8 @@ How a request runs (see [Note: request path] below):
   an unaligned tail, an unaligned file offset, or a filesystem that refuses O_DIRECT goes through
   pread/pwrite, which writes exactly the logical bytes (nothing past the end of the tensor);
 - tensors whose memory is not 4 KiB-aligned, or that live on a GPU, are staged through the worker's
-  aligned huge-page buffer. Tensors from ``new_cpu_locked_tensor`` are used in place: the fast path.
+  aligned huge-page buffer. Tensors from ``new_cpu_locked_tensor`` are used in place: the fast path;
+- each wait for a direct-I/O completion is bounded by the handle's ``timeout_s`` (see AioHandle).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from infinity.aio import core
 from infinity.aio.buffers import IO_ALIGNMENT, HostBuffer, allocate_host_buffer
 from infinity.aio.files import OpenFile, open_for_io
-from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError
+from infinity.errors import AioError, AioTimeoutError, ConfigError, InvalidTensorError, ShortTransferError
 
 MAX_QUEUE_DEPTH = 4096
 MAX_INTRA_OP_PARALLELISM = 256
@@ -99,8 +100,8 @@ class _Worker:
     def close(self) -> None:
         self.executor.shutdown(wait=True)  # in-flight slices finish before their context goes
         self.io_thread.shutdown(wait=True)
-        self.context.close()
-        if self._staging is not None:
+        self.context.close()  # a no-op once quarantined: the kernel may still use the staging buffer
+        if self._staging is not None and not self.context.quarantined:
             self._staging.release()
             self._staging = None
 
@@ -164,6 +165,17 @@ class AioHandle:
     ``sync_*`` return the number of bytes moved; ``async_*`` queue the request and return at once;
     ``wait()`` blocks for every queued request, returns how many succeeded, and raises AioError
     (path, offset, errno) if any failed. Errors in the arguments or opening the file raise at call time.
+
+    ``timeout_s`` (default: $INFINITY_AIO_TIMEOUT_S, else 300 s; ``math.inf`` for no limit) bounds each
+    wait for a direct-I/O completion, so a stalled disk or a dead device cannot hang the process (and,
+    in training, the ranks waiting on it). When it passes, the request raises AioTimeoutError (an
+    AioError with errno ETIMEDOUT naming the path and the offset of the oldest request in flight).
+
+    Note: after a timeout the kernel may still be moving bytes into or out of that request's memory, so
+    the handle quarantines it: the AIO context is never destroyed (io_destroy would wait for the
+    device) and the tensor or staging buffer is referenced for the life of the process, so its memory is
+    never freed and reused. The tensor's contents (for a read) or the file's (for a write) are
+    undefined. The handle then refuses every request with an AioError; make a new AioHandle.
     """
 
     def __init__(
@@ -175,7 +187,9 @@ class AioHandle:
         intra_op_parallelism: int = 1,
         *,
         use_direct_io: bool = True,
+        timeout_s: float | None = None,
     ) -> None:
+        self.timeout_s = core.resolve_timeout_s(timeout_s)
         self.settings = AioSettings(
             block_size=block_size,
             queue_depth=queue_depth,
@@ -195,10 +209,11 @@ class AioHandle:
         self._pending: list[_Request] = []
         self._pending_lock = threading.Lock()
         self._locked_buffers: dict[int, HostBuffer] = {}
+        self._timed_out: AioTimeoutError | None = None  # set once: the handle is quarantined
         self._closer = weakref.finalize(self, _close_workers, self._workers)
 
     @classmethod
-    def from_settings(cls, settings: AioSettings) -> AioHandle:
+    def from_settings(cls, settings: AioSettings, *, timeout_s: float | None = None) -> AioHandle:
         return cls(
             settings.block_size,
             settings.queue_depth,
@@ -206,6 +221,7 @@ class AioHandle:
             settings.overlap_events,
             settings.intra_op_parallelism,
             use_direct_io=settings.use_direct_io,
+            timeout_s=timeout_s,
         )
 
     # ---- DeepSpeed-compatible getters ----
@@ -257,8 +273,8 @@ class AioHandle:
                 failures.append(exc)
         if failures:
             first = failures[0]
-            if len(failures) > 1 and hasattr(first, "add_note"):
-                first.add_note(f"{len(failures) - 1} more of the {len(pending)} requests failed; {completed} completed")
+            if len(pending) > 1:  # the error names one request: say what became of the others
+                _add_note(first, f"{len(failures)} of the {len(pending)} requests failed; {completed} completed")
             raise first
         return completed
 
@@ -320,6 +336,19 @@ class AioHandle:
             raise AioError(
                 op="submit", path=str(path), offset=file_offset, errno=None, detail="this AioHandle is closed"
             )
+        timed_out = self._timed_out
+        if timed_out is not None:
+            raise AioError(
+                op="submit",
+                path=str(path),
+                offset=file_offset,
+                errno=None,
+                detail=(
+                    f"this AioHandle is unusable: an earlier {timed_out.op} of {timed_out.path!r} at offset "
+                    f"{timed_out.offset} timed out and may still be in flight, so its memory and AIO context "
+                    "are kept for the life of the process; check the device and make a new AioHandle"
+                ),
+            )
         memory = _byte_view(tensor)
         if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
             raise ConfigError(f"file_offset must be a non-negative integer, got {file_offset!r}")
@@ -354,6 +383,10 @@ class AioHandle:
     def _run_slice(self, worker: _Worker, request: _Request, start: int, length: int) -> None:
         try:
             self._transfer(worker, request, start, length)
+        except AioTimeoutError as exc:
+            if self._timed_out is None:  # the first timeout is the one reported to later callers
+                self._timed_out = exc
+            raise
         finally:
             request.slice_finished()
 
@@ -376,6 +409,8 @@ class AioHandle:
                     offset=file_offset,
                     settings=self.settings.loop,
                     path=file.path,
+                    timeout_s=self.timeout_s,
+                    keep_alive=memory,  # the user's tensor, if the kernel keeps it after a timeout
                 )
             else:
                 self._staged(worker, request, start, direct_len, direct=True)
@@ -411,6 +446,7 @@ class AioHandle:
                 core.rw_direct(
                     worker.context, request.file.direct_fd, is_write=request.is_write, address=buffer.data_ptr(),
                     nbytes=n, offset=file_offset, settings=self.settings.loop, path=request.path,
+                    timeout_s=self.timeout_s, keep_alive=staging,
                 )  # fmt: skip
             else:
                 core.rw_buffered(
@@ -440,6 +476,13 @@ class AioHandle:
         finally:
             if in_flight is not None:  # an error stopped the loop: never leave I/O running into our buffer
                 in_flight.exception()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: the same attribute, which 3.11's tracebacks print
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 def _close_workers(workers: list[_Worker]) -> None:
