@@ -14,8 +14,10 @@ from torch.nn import functional as F
 
 import infinity
 import infinity.zero
+from infinity.zero.partition import overlap
 
 VOCAB, SEQ = 50, 8
+WEIGHT_DECAY = 0.01  # AdamW's; set explicitly on both sides, so no test leans on either side's default
 
 
 class TinyTransformer(nn.Module):
@@ -94,16 +96,37 @@ def loss_fn(model_name: str, output, target: torch.Tensor) -> torch.Tensor:
 
 
 def train_reference(
-    model_name: str, *, steps: int, batch: int, lr: float, clip: float, dtype=torch.float32, split=None
+    model_name: str,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    clip: float,
+    dtype=torch.float32,
+    split=None,
+    weight_decay: float = WEIGHT_DECAY,
 ):
     """Plain PyTorch: fused AdamW on fp32 weights. For bf16, the canonical recipe: fp32 masters, a bf16 copy for
     forward/backward, gradients cast back to fp32 for the step.
 
     split=(micro, accumulation, world_size) accumulates the gradient over the engine's micro-batches in the
     engine's order (per rank, then across ranks), so the sums round alike: for models where Adam turns rounding
-    noise of near-zero gradients into visible steps (GPT-2)."""
+    noise of near-zero gradients into visible steps (GPT-2), and for bf16, where each micro-batch's bf16
+    gradient is summed in fp32 as the engine does.
+
+    Runs on one thread, as the engine's processes do (harness.py): bf16 matmuls round differently with another
+    thread count (measured: 8e-2 apart after 20 steps on the transformer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_reference(model_name, steps, batch, lr, clip, dtype, split, weight_decay)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(model_name, steps, batch, lr, clip, dtype, split, weight_decay):
     master = build(model_name)
-    optimizer = torch.optim.AdamW(master.parameters(), lr=lr, fused=True)
+    optimizer = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
     model = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     losses = []
     for step in range(steps):
@@ -114,11 +137,11 @@ def train_reference(
         if split is None:
             loss = loss_fn(model_name, model(inputs), target)
             loss.backward()
+            grads = [None if p.grad is None else p.grad.float() for p in model.parameters()]
         else:
-            loss = _accumulate_like_the_engine(model_name, model, inputs, target, *split)
-        if model is not master:
-            for p_master, p_model in zip(master.parameters(), model.parameters(), strict=True):
-                p_master.grad = p_model.grad.float()
+            loss, grads = _accumulate_like_the_engine(model_name, model, inputs, target, *split)
+        for p_master, grad in zip(master.parameters(), grads, strict=True):
+            p_master.grad = grad
         if clip:
             torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         optimizer.step()
@@ -131,6 +154,8 @@ def train_reference(
 
 
 def _accumulate_like_the_engine(model_name, model, inputs, target, micro, accumulation, world_size):
+    """Per rank, the fp32 sum of its micro-batch gradients (each computed in the model's dtype); then the mean
+    over ranks. Returns the mean loss and one fp32 gradient per parameter (None for frozen ones)."""
     params = [p for p in model.parameters() if p.requires_grad]
     per_rank = []
     total_loss = torch.zeros(())
@@ -139,16 +164,17 @@ def _accumulate_like_the_engine(model_name, model, inputs, target, micro, accumu
         for k in range(accumulation):
             start = k * micro * world_size + rank * micro
             loss = loss_fn(model_name, model(inputs[start : start + micro]), target[start : start + micro])
-            grads = torch.autograd.grad(loss / accumulation, params)
-            sums = list(grads) if sums is None else [s + g for s, g in zip(sums, grads, strict=True)]
+            grads = [g.float() for g in torch.autograd.grad(loss / accumulation, params)]
+            sums = grads if sums is None else [s + g for s, g in zip(sums, grads, strict=True)]
             total_loss += loss.detach() / accumulation / world_size
         per_rank.append(sums)
+    mean = {}
     for index, param in enumerate(params):
         grad = per_rank[0][index]
         for sums in per_rank[1:]:
             grad = grad + sums[index]
-        param.grad = grad / world_size
-    return total_loss
+        mean[id(param)] = grad / world_size
+    return total_loss, [mean.get(id(p)) for p in model.parameters()]
 
 
 def engine_config(
@@ -162,13 +188,14 @@ def engine_config(
     precision: str = "fp32",
     bucket: int = 2000,
     overlap: bool = True,
+    weight_decay: float = WEIGHT_DECAY,
     **extra,
 ) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "overlap_comm": overlap},
     }
     if offload:
@@ -181,7 +208,8 @@ def engine_config(
 
 def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_size: int):
     """Each rank trains on its slice of every global batch; returns losses (this rank's mean of micro-batch
-    losses, averaged over ranks) and the final full parameters."""
+    losses, averaged over ranks), the final full parameters as GatheredParameters shows them, and this rank's
+    own master pieces (own_pieces: read from its shard, no collective)."""
     model = build(model_name)
     engine, *_ = infinity.initialize(model=model, config=config)
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -200,13 +228,79 @@ def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_
             torch.distributed.all_reduce(step_loss)
             step_loss /= world_size
         losses.append(step_loss.item())
+    pieces = own_pieces(engine)
+    compute_pieces = own_pieces(engine, masters=False) if engine.stage3 is not None else None
     with infinity.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole, not shards
         params = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     result = {
         "losses": losses,
         "params": params,
+        "pieces": pieces,
+        "compute_pieces": compute_pieces,
         "state_bytes": engine.optimizer_state_bytes(),
         "global_steps": engine.global_steps,
     }
     engine.destroy()
     return result
+
+
+def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """What this rank itself holds of each parameter, read straight from its shard (no collective, so a wrong
+    piece on one rank cannot be hidden by a gather that hands every rank the same values): parameter name ->
+    [(first element in the flattened parameter, fp32 values)]. ``masters``: the optimizer's fp32 masters;
+    otherwise (stage 3 only) the compute-dtype shard the units gather from (``stage3.table.flat_shard``).
+    Stage 0 ranks hold everything; parameters outside the optimizer (frozen) come from the compute copy."""
+    optimizer = engine.zero_optimizer
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = {n: [] for n in names.values()}
+
+    def take(param, slot, piece: torch.Tensor, start: int, end: int) -> None:
+        part = overlap(slot, start, end)
+        if part is not None:
+            lo, hi = part
+            pieces[names[id(param)]].append((lo - slot.offset, piece[lo - start : hi - start].float().cpu().clone()))
+
+    if engine.stage3 is None:
+        if not masters:
+            raise ValueError("below stage 3 every rank holds the whole compute-dtype model: read the parameters")
+        trained = set()
+        for params, layout, master in zip(optimizer.groups, optimizer.layouts, optimizer.masters, strict=True):
+            for bucket in layout.buckets:
+                start, end = bucket.piece_range(optimizer.shard_rank)
+                piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+                for slot in bucket.slots:
+                    trained.add(id(params[slot.param_index]))
+                    take(params[slot.param_index], slot, piece, start, end)
+        for name, param in engine.module.named_parameters():
+            if id(param) not in trained:
+                pieces[name].append((0, param.detach().float().reshape(-1).cpu().clone()))
+        return pieces
+    table = engine.stage3.table
+    flat = table.flat_shard.detach().float().cpu().clone()
+    if masters:
+        for master, index in zip(optimizer.masters, optimizer._index, strict=True):
+            flat[index.cpu()] = master.detach().float().cpu()
+    for unit in table.units:
+        bucket = unit.bucket
+        start, end = bucket.piece_range(engine.global_rank)
+        piece = flat[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+        for slot, param in zip(bucket.slots, unit.params, strict=True):
+            take(param, slot, piece, start, end)
+    return pieces
+
+
+def pieces_error(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> float:
+    """Every rank's own pieces against the reference: the largest max |p - p_ref| / max |p_ref| over tensors.
+    Fails unless the pieces of all ranks together cover every element of every parameter."""
+    error = 0.0
+    for name, want in ref.items():
+        flat = want.reshape(-1)
+        covered = torch.zeros(flat.numel(), dtype=torch.bool)
+        for pieces in per_rank:
+            for first, values in pieces[name]:
+                assert first + values.numel() <= flat.numel(), f"{name}: a piece runs past the parameter"
+                covered[first : first + values.numel()] = True
+                deviation = (values - flat[first : first + values.numel()]).abs().max()
+                error = max(error, float(deviation / flat.abs().max().clamp_min(1e-12)))
+        assert bool(covered.all()), f"{name}: {int((~covered).sum())} elements in no rank's pieces"
+    return error

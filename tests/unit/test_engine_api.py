@@ -137,13 +137,37 @@ def test_eval_forward_without_gradients_releases_everything():
 
 
 def test_save_16bit_model_below_stage3(tmp_path):
-    model = mlp()
-    engine, *_ = infinity.initialize(model=model, config=base(zero_optimization={"stage": 2}, bf16={"enabled": True}))
+    """The saved bf16 weights are the trained ones: those plain PyTorch reaches with the same recipe (fp32
+    AdamW masters, a bf16 copy for forward and backward), not the initial weights."""
+    lr, weight_decay = 0.1, 0.01
+    optimizer = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}}
+    config = base(optimizer=optimizer, zero_optimization={"stage": 2}, bf16={"enabled": True})
+    engine, *_ = infinity.initialize(model=mlp(), config=config)
+    master = mlp()
+    initial = {name: p.detach().to(torch.bfloat16) for name, p in master.named_parameters()}
+    reference = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    compute = mlp().to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        inputs = torch.randn(4, 8, generator=gen)
+        engine.backward(engine(inputs).float().pow(2).mean())
+        engine.step()
+        compute(inputs.to(torch.bfloat16)).float().pow(2).mean().backward()
+        for p_master, p_compute in zip(master.parameters(), compute.parameters(), strict=True):
+            p_master.grad, p_compute.grad = p_compute.grad.float(), None
+        reference.step()
+        with torch.no_grad():
+            for p_master, p_compute in zip(master.parameters(), compute.parameters(), strict=True):
+                p_compute.copy_(p_master)
     assert engine.save_16bit_model(tmp_path)
     state = torch.load(tmp_path / "pytorch_model.bin")
-    assert list(state) == list(model.state_dict())
-    assert all(v.dtype == torch.bfloat16 for v in state.values())
-    assert torch.equal(state["0.weight"], model[0].weight)
+    assert list(state) == list(master.state_dict())
+    for name, want in master.named_parameters():
+        saved = state[name]
+        assert saved.dtype == torch.bfloat16, name
+        assert not torch.equal(saved, initial[name]), f"{name}: the initial weights were saved"
+        error = (saved.float() - want.detach().to(torch.bfloat16).float()).abs().max() / want.abs().max()
+        assert error <= 2**-8, f"{name}: {float(error):.1e} from plain PyTorch"  # one bf16 rounding at most
 
 
 def test_zero_init_refuses_what_it_cannot_do(tmp_path):
