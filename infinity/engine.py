@@ -66,24 +66,50 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return groups
 
 
+# DeepSpeed's own Adam (FusedAdam; DeepSpeedCPUAdam with optimizer offload) for the keys a config omits. With
+# torch_adam DeepSpeed builds torch's class and gets torch's defaults (AdamW: weight decay 0.01); so do we. SGD is
+# torch.optim.SGD there too.
+DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+
+
+def _flag(params: dict, key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"optimizer.params.{key} must be true or false, got {value!r}")
+    return value
+
+
 def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torch.optim.Optimizer:
-    """The optimizer section as a torch optimizer. DeepSpeed's "Adam" decouples weight decay (adam_w_mode
-    defaults to true), so it is AdamW unless adam_w_mode is false. On the CPU, Adam/AdamW use the fused
-    kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md, "Measured")."""
+    """The optimizer section as a torch optimizer, with DeepSpeed's defaults for the keys it omits. DeepSpeed's
+    "Adam" decouples weight decay (adam_w_mode defaults to true), so it is AdamW unless adam_w_mode is false. On
+    the CPU, Adam/AdamW use the fused kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md,
+    "Measured")."""
     spec = config.optimizer
     params = dict(spec.params)
     kind = spec.type.lower()
-    params.pop("torch_adam", None)
-    adam_w_mode = params.pop("adam_w_mode", True)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     try:
         if kind in ("adam", "adamw"):
+            torch_adam = _flag(params, "torch_adam", False)
+            adam_w_mode = _flag(params, "adam_w_mode", True)
+            _flag(params, "amsgrad", False)  # torch implements it (DeepSpeed's fused kernels refuse it)
+            if not _flag(params, "bias_correction", True):
+                raise ConfigError(
+                    "optimizer.params.bias_correction false is not supported (Adam here always corrects the "
+                    "moment estimates' bias); remove it or set it true"
+                )
+            for key in ("torch_adam", "adam_w_mode", "bias_correction"):
+                params.pop(key, None)
+            if not torch_adam:
+                params = {**DEEPSPEED_ADAM_DEFAULTS, **params}
             cls = torch.optim.AdamW if (kind == "adamw" or adam_w_mode) else torch.optim.Adam
             if on_cpu and "fused" not in params and "foreach" not in params:
                 params["fused"] = True
             return cls(groups, **params)
-        return torch.optim.SGD(groups, **params)
+        return torch.optim.SGD(groups, **{"lr": 1e-3, **params})
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizer.params for {spec.type}: {e}") from None
 

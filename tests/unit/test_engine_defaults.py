@@ -1,0 +1,80 @@
+"""Defaults the engine takes from DeepSpeed: the config optimizers' hyperparameters, the wall-clock breakdown, the
+training data loader's sampling, and the config file errors."""
+
+import pytest
+import torch
+
+import infinity
+from infinity import ConfigError
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def engine_with(optimizer: dict, **extra):
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": optimizer, **extra}
+    engine, *_ = infinity.initialize(model=mlp(), config=config)
+    return engine
+
+
+# ---- A. the optimizer section's defaults are DeepSpeed's ----
+
+# FusedAdam and DeepSpeedCPUAdam (deepspeed/ops/adam/fused_adam.py, cpu_adam.py): what DeepSpeed builds for
+# "Adam" and "AdamW" unless torch_adam is true.
+DEEPSPEED_ADAM = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+# DeepSpeed builds "SGD" as torch.optim.SGD(**params): torch's defaults.
+TORCH_SGD = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False}
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {"type": "AdamW"},
+        {"type": "Adam"},
+        {"type": "adamw", "params": {}},
+        {"type": "Adam", "params": {"adam_w_mode": False}},
+        {"type": "AdamW", "params": {"bias_correction": True}},
+    ],
+)
+@pytest.mark.parametrize("key", sorted(DEEPSPEED_ADAM))
+def test_adam_keys_a_config_omits_get_deepspeeds_defaults(optimizer, key):
+    group = engine_with(optimizer).optimizer.param_groups[0]
+    assert group[key] == DEEPSPEED_ADAM[key]
+    assert type(group[key]) is type(DEEPSPEED_ADAM[key])
+
+
+def test_adamw_with_only_lr_has_no_weight_decay():
+    group = engine_with({"type": "AdamW", "params": {"lr": 0.1}}).optimizer.param_groups[0]
+    assert group["lr"] == 0.1 and group["weight_decay"] == 0.0
+
+
+def test_keys_a_config_sets_are_kept():
+    params = {"lr": 0.2, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.1, "amsgrad": True}
+    group = engine_with({"type": "AdamW", "params": params}).optimizer.param_groups[0]
+    assert group["lr"] == 0.2 and group["betas"] == (0.8, 0.99) and group["eps"] == 1e-6
+    assert group["weight_decay"] == 0.1 and group["amsgrad"] is True
+
+
+def test_torch_adam_gets_torchs_defaults_as_in_deepspeed():
+    """With torch_adam DeepSpeed builds torch.optim.AdamW(**params): torch's weight decay 0.01."""
+    group = engine_with({"type": "AdamW", "params": {"torch_adam": True}}).optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.01 and group["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("key", sorted(TORCH_SGD))
+def test_sgd_keys_a_config_omits_get_torchs_defaults(key):
+    group = engine_with({"type": "SGD"}).optimizer.param_groups[0]
+    assert group[key] == TORCH_SGD[key]
+
+
+def test_bias_correction_false_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.bias_correction"):
+        engine_with({"type": "AdamW", "params": {"bias_correction": False}})
+
+
+@pytest.mark.parametrize("key", ["bias_correction", "amsgrad", "adam_w_mode", "torch_adam"])
+def test_adam_switches_must_be_booleans(key):
+    with pytest.raises(ConfigError, match=rf"optimizer\.params\.{key}"):
+        engine_with({"type": "Adam", "params": {key: "yes"}})
