@@ -238,10 +238,13 @@ class Engine(nn.Module):
 
     # ---- training ----
     def forward(self, *args, **kwargs):
-        return self.module(
+        start = time.perf_counter()
+        output = self.module(
             *_cast_inputs(args, self.compute_dtype, self.device),
             **_cast_inputs(kwargs, self.compute_dtype, self.device),
         )
+        self._phase_seconds["forward"] += time.perf_counter() - start
+        return output
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients."""
@@ -298,7 +301,7 @@ class Engine(nn.Module):
         if self.config.wall_clock_breakdown:
             per_step = {k: v / self.config.steps_per_print for k, v in self._phase_seconds.items()}
             logger.info(
-                "time per step: forward %.3f s, backward (with gradient reduction) %.3f s, optimizer step %.3f s",
+                "time per step: forward %.3g s, backward (with gradient reduction) %.3g s, optimizer step %.3g s",
                 per_step["forward"], per_step["backward"], per_step["step"],
             )  # fmt: skip
         if self.stage3 is not None:

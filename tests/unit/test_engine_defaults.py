@@ -1,6 +1,9 @@
 """Defaults the engine takes from DeepSpeed: the config optimizers' hyperparameters, the wall-clock breakdown, the
 training data loader's sampling, and the config file errors."""
 
+import logging
+import re
+
 import pytest
 import torch
 
@@ -78,3 +81,22 @@ def test_bias_correction_false_is_an_error_naming_the_key():
 def test_adam_switches_must_be_booleans(key):
     with pytest.raises(ConfigError, match=rf"optimizer\.params\.{key}"):
         engine_with({"type": "Adam", "params": {key: "yes"}})
+
+
+# ---- B. wall_clock_breakdown times every phase ----
+
+
+def test_wall_clock_breakdown_reports_every_phase_above_zero(caplog):
+    engine = engine_with({"type": "AdamW", "params": {"lr": 0.01}}, wall_clock_breakdown=True, steps_per_print=1)
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+            engine.step()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("time per step")]
+    assert len(lines) == 3
+    number = r"([0-9.]+(?:e[+-]?[0-9]+)?) s"
+    for line in lines:
+        for phase in ("forward", r"backward \(with gradient reduction\)", "optimizer step"):
+            found = re.search(rf"{phase} {number}", line)
+            assert found, (phase, line)
+            assert float(found.group(1)) > 0, (phase, line)
