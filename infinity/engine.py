@@ -114,6 +114,34 @@ def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torc
         raise ConfigError(f"optimizer.params for {spec.type}: {e}") from None
 
 
+class _EpochSampler(torch.utils.data.DistributedSampler):
+    """Each pass over the data (start_pass) is the next epoch, a new shuffle, unless the caller chose the epoch
+    with set_epoch() since the last pass (as DeepSpeed's loader does)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._next_epoch = 0
+        self._epoch_from_caller = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_from_caller = True
+
+    def start_pass(self) -> None:
+        if not self._epoch_from_caller:
+            self.epoch = self._next_epoch
+        self._epoch_from_caller = False
+        self._next_epoch = self.epoch + 1
+
+
+class _TrainingDataLoader(torch.utils.data.DataLoader):
+    """initialize()'s training loader: every iter() starts the sampler's next epoch."""
+
+    def __iter__(self):
+        self.sampler.start_pass()
+        return super().__iter__()
+
+
 def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
     if torch.is_tensor(value):
         value = value.to(device)
@@ -359,21 +387,23 @@ class Engine(nn.Module):
         return True
 
     def _dataloader(self, training_data, collate_fn):
+        """DeepSpeed's training loader: at every world size a DistributedSampler (shuffled, seed 0) gives this rank
+        its share, dropping the tail so that every rank sees as many full micro-batches, and each pass over the
+        data reshuffles (sampler.set_epoch() chooses the epoch)."""
         if training_data is None or isinstance(training_data, torch.utils.data.DataLoader):
             return training_data
-        sampler = None
-        if self.comm.world_size > 1:
-            sampler = torch.utils.data.DistributedSampler(
-                training_data, num_replicas=self.comm.world_size, rank=self.comm.rank
-            )
-        return torch.utils.data.DataLoader(
-            training_data,
-            batch_size=self.config.train_micro_batch_size_per_gpu,
-            sampler=sampler,
-            shuffle=False,
-            collate_fn=collate_fn,
-            drop_last=True,
+        batch = {"batch_size": self.config.train_micro_batch_size_per_gpu, "collate_fn": collate_fn, "drop_last": True}
+        if isinstance(training_data, torch.utils.data.IterableDataset):
+            if self.comm.world_size > 1:
+                raise ConfigError(
+                    "training_data is an IterableDataset, which cannot be split across ranks by a sampler; pass a "
+                    "DataLoader whose dataset yields each rank's share"
+                )
+            return torch.utils.data.DataLoader(training_data, **batch)
+        sampler = _EpochSampler(
+            training_data, num_replicas=self.comm.world_size, rank=self.comm.rank, shuffle=True, seed=0, drop_last=True
         )
+        return _TrainingDataLoader(training_data, sampler=sampler, **batch)
 
     def destroy(self) -> None:
         self.zero_optimizer.close()

@@ -100,3 +100,58 @@ def test_wall_clock_breakdown_reports_every_phase_above_zero(caplog):
             found = re.search(rf"{phase} {number}", line)
             assert found, (phase, line)
             assert float(found.group(1)) > 0, (phase, line)
+
+
+# ---- C. the training data loader shuffles at every world size, a new order each epoch ----
+
+
+def loader_for(dataset):
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}}
+    _, _, loader, _ = infinity.initialize(model=mlp(), config=config, training_data=dataset)
+    return loader
+
+
+def one_epoch(loader) -> list[int]:
+    return [int(i) for (batch,) in loader for i in batch]
+
+
+def sampler_order(dataset, epoch: int) -> list[int]:
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def test_world_size_one_shuffles_with_a_new_order_each_epoch():
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = loader_for(dataset)
+    assert isinstance(loader, torch.utils.data.DataLoader) and len(loader) == 8
+    epochs = [one_epoch(loader) for _ in range(3)]
+    for epoch, order in enumerate(epochs):
+        assert sorted(order) == list(range(16))  # every sample once
+        assert order == sampler_order(dataset, epoch)  # DeepSpeed's sampler, seed 0: reproducible
+    assert epochs[0] != list(range(16))
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_an_epoch_the_caller_sets_is_used():
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = loader_for(dataset)
+    one_epoch(loader)
+    loader.sampler.set_epoch(5)
+    assert one_epoch(loader) == sampler_order(dataset, 5)
+    assert one_epoch(loader) == sampler_order(dataset, 6)
+
+
+def test_a_partial_pass_still_ends_the_epoch():
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    loader = loader_for(dataset)
+    next(iter(loader))
+    assert one_epoch(loader) == sampler_order(dataset, 1)
+
+
+def test_an_iterable_dataset_is_read_in_its_own_order_at_world_size_one():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return ((torch.tensor(i),) for i in range(8))
+
+    assert one_epoch(loader_for(Stream())) == list(range(8))
