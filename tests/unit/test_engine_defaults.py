@@ -1,7 +1,9 @@
 """Defaults the engine takes from DeepSpeed: the config optimizers' hyperparameters, the wall-clock breakdown, the
 training data loader's sampling, and the config file errors."""
 
+import json
 import logging
+import os
 import re
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 import infinity
 from infinity import ConfigError
+from infinity.config import load_json
 
 
 def mlp():
@@ -155,3 +158,36 @@ def test_an_iterable_dataset_is_read_in_its_own_order_at_world_size_one():
             return ((torch.tensor(i),) for i in range(8))
 
     assert one_epoch(loader_for(Stream())) == list(range(8))
+
+
+# ---- D. a config path that cannot be read is a ConfigError naming it ----
+
+
+def test_a_directory_as_the_config_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=rf"{re.escape(repr(str(tmp_path)))}.*JSON file"):
+        load_json(tmp_path)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_config_is_a_config_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 1}))
+    path.chmod(0)
+    try:
+        with pytest.raises(ConfigError, match=rf"{re.escape(repr(str(path)))}.*permission"):
+            infinity.initialize(model=mlp(), config=str(path))
+    finally:
+        path.chmod(0o600)
+
+
+def test_a_permission_error_is_a_config_error(tmp_path, monkeypatch):
+    """The error the test above provokes, also where that one is skipped (as root): open() refuses."""
+    path = tmp_path / "ds.json"
+    path.write_text("{}")
+
+    def refuse(file, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", file)
+
+    monkeypatch.setattr(infinity.config, "open", refuse, raising=False)
+    with pytest.raises(ConfigError, match=rf"{re.escape(repr(str(path)))}.*permission"):
+        load_json(path)
