@@ -65,6 +65,10 @@ def load_json(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
             data = json.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config {path!r} is a directory; a JSON file is expected") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path!r} cannot be read: permission denied") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

@@ -73,26 +73,80 @@ def _not_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[n
     return [p for p in model.parameters() if id(p) not in optimized]
 
 
+# DeepSpeed's own Adam (FusedAdam; DeepSpeedCPUAdam with optimizer offload) for the keys a config omits. With
+# torch_adam DeepSpeed builds torch's class and gets torch's defaults (AdamW: weight decay 0.01); so do we. SGD is
+# torch.optim.SGD there too.
+DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False}
+
+
+def _flag(params: dict, key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"optimizer.params.{key} must be true or false, got {value!r}")
+    return value
+
+
 def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torch.optim.Optimizer:
-    """The optimizer section as a torch optimizer. DeepSpeed's "Adam" decouples weight decay (adam_w_mode
-    defaults to true), so it is AdamW unless adam_w_mode is false. On the CPU, Adam/AdamW use the fused
-    kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md, "Measured")."""
+    """The optimizer section as a torch optimizer, with DeepSpeed's defaults for the keys it omits. DeepSpeed's
+    "Adam" decouples weight decay (adam_w_mode defaults to true), so it is AdamW unless adam_w_mode is false. On
+    the CPU, Adam/AdamW use the fused kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md,
+    "Measured")."""
     spec = config.optimizer
     params = dict(spec.params)
     kind = spec.type.lower()
-    params.pop("torch_adam", None)
-    adam_w_mode = params.pop("adam_w_mode", True)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
     try:
         if kind in ("adam", "adamw"):
+            torch_adam = _flag(params, "torch_adam", False)
+            adam_w_mode = _flag(params, "adam_w_mode", True)
+            _flag(params, "amsgrad", False)  # torch implements it (DeepSpeed's fused kernels refuse it)
+            if not _flag(params, "bias_correction", True):
+                raise ConfigError(
+                    "optimizer.params.bias_correction false is not supported (Adam here always corrects the "
+                    "moment estimates' bias); remove it or set it true"
+                )
+            for key in ("torch_adam", "adam_w_mode", "bias_correction"):
+                params.pop(key, None)
+            if not torch_adam:
+                params = {**DEEPSPEED_ADAM_DEFAULTS, **params}
             cls = torch.optim.AdamW if (kind == "adamw" or adam_w_mode) else torch.optim.Adam
             if on_cpu and "fused" not in params and "foreach" not in params:
                 params["fused"] = True
             return cls(groups, **params)
-        return torch.optim.SGD(groups, **params)
+        return torch.optim.SGD(groups, **{"lr": 1e-3, **params})
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizer.params for {spec.type}: {e}") from None
+
+
+class _EpochSampler(torch.utils.data.DistributedSampler):
+    """Each pass over the data (start_pass) is the next epoch, a new shuffle, unless the caller chose the epoch
+    with set_epoch() since the last pass (as DeepSpeed's loader does)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._next_epoch = 0
+        self._epoch_from_caller = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_from_caller = True
+
+    def start_pass(self) -> None:
+        if not self._epoch_from_caller:
+            self.epoch = self._next_epoch
+        self._epoch_from_caller = False
+        self._next_epoch = self.epoch + 1
+
+
+class _TrainingDataLoader(torch.utils.data.DataLoader):
+    """initialize()'s training loader: every iter() starts the sampler's next epoch."""
+
+    def __iter__(self):
+        self.sampler.start_pass()
+        return super().__iter__()
 
 
 def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
@@ -218,10 +272,13 @@ class Engine(nn.Module):
 
     # ---- training ----
     def forward(self, *args, **kwargs):
-        return self.module(
+        start = time.perf_counter()
+        output = self.module(
             *_cast_inputs(args, self.compute_dtype, self.device),
             **_cast_inputs(kwargs, self.compute_dtype, self.device),
         )
+        self._phase_seconds["forward"] += time.perf_counter() - start
+        return output
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients."""
@@ -278,7 +335,7 @@ class Engine(nn.Module):
         if self.config.wall_clock_breakdown:
             per_step = {k: v / self.config.steps_per_print for k, v in self._phase_seconds.items()}
             logger.info(
-                "time per step: forward %.3f s, backward (with gradient reduction) %.3f s, optimizer step %.3f s",
+                "time per step: forward %.3g s, backward (with gradient reduction) %.3g s, optimizer step %.3g s",
                 per_step["forward"], per_step["backward"], per_step["step"],
             )  # fmt: skip
         if self.stage3 is not None:
@@ -336,21 +393,23 @@ class Engine(nn.Module):
         return True
 
     def _dataloader(self, training_data, collate_fn):
+        """DeepSpeed's training loader: at every world size a DistributedSampler (shuffled, seed 0) gives this rank
+        its share, dropping the tail so that every rank sees as many full micro-batches, and each pass over the
+        data reshuffles (sampler.set_epoch() chooses the epoch)."""
         if training_data is None or isinstance(training_data, torch.utils.data.DataLoader):
             return training_data
-        sampler = None
-        if self.comm.world_size > 1:
-            sampler = torch.utils.data.DistributedSampler(
-                training_data, num_replicas=self.comm.world_size, rank=self.comm.rank
-            )
-        return torch.utils.data.DataLoader(
-            training_data,
-            batch_size=self.config.train_micro_batch_size_per_gpu,
-            sampler=sampler,
-            shuffle=False,
-            collate_fn=collate_fn,
-            drop_last=True,
+        batch = {"batch_size": self.config.train_micro_batch_size_per_gpu, "collate_fn": collate_fn, "drop_last": True}
+        if isinstance(training_data, torch.utils.data.IterableDataset):
+            if self.comm.world_size > 1:
+                raise ConfigError(
+                    "training_data is an IterableDataset, which cannot be split across ranks by a sampler; pass a "
+                    "DataLoader whose dataset yields each rank's share"
+                )
+            return torch.utils.data.DataLoader(training_data, **batch)
+        sampler = _EpochSampler(
+            training_data, num_replicas=self.comm.world_size, rank=self.comm.rank, shuffle=True, seed=0, drop_last=True
         )
+        return _TrainingDataLoader(training_data, sampler=sampler, **batch)
 
     def destroy(self) -> None:
         self.zero_optimizer.close()
