@@ -76,6 +76,26 @@ def load_json(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "INFINITY_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout_s(configured=None) -> float:
+    """The config's collective_timeout, else the environment variable, else the default; seconds, > 0."""
+    source, value = "collective_timeout", configured
+    if value is None and os.environ.get(TIMEOUT_ENV):
+        source, value = TIMEOUT_ENV, os.environ[TIMEOUT_ENV]
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise ConfigError(f"{source} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
 # ---- the aio section ----
 
 _AIO_KEYS = {
@@ -223,6 +243,9 @@ class Config:
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    collective_timeout: float = 300.0
+    """Seconds a collective waits for the other ranks before it fails naming itself (not DeepSpeed's: its
+    timeout is an argument of deepspeed.init_distributed). Also INFINITY_COLLECTIVE_TIMEOUT_S."""
     fp16: Fp16Config = field(default_factory=Fp16Config)
     bf16: Bf16Config = field(default_factory=Bf16Config)
     optimizer: OptimizerConfig | None = None
@@ -273,7 +296,7 @@ ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimi
 TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
-    "zero_optimization", "aio",
+    "zero_optimization", "aio", "collective_timeout",
 } | OBSERVE_ONLY | NOT_IMPLEMENTED | ACCEPTED_NO_EFFECT  # fmt: skip
 
 _ZERO_NO_EFFECT = {
@@ -595,6 +618,7 @@ def parse_config(
         gradient_clipping=float(clipping),
         steps_per_print=as_int("steps_per_print", raw.get("steps_per_print", 10), minimum=1),
         wall_clock_breakdown=as_bool("wall_clock_breakdown", raw.get("wall_clock_breakdown", False)),
+        collective_timeout=collective_timeout_s(raw.get("collective_timeout")),
         fp16=fp16,
         bf16=bf16,
         optimizer=optimizer,

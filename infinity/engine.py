@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from infinity.config import AutoValues, Config, parse_config
-from infinity.distributed import compute_device, init_distributed
+from infinity.config import AutoValues, Config, load_json, parse_config
+from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
 from infinity.precision import LossScaler, compute_dtype
@@ -175,10 +176,13 @@ class Engine(nn.Module):
         collate_fn=None,
     ) -> None:
         super().__init__()
-        self.comm = init_distributed()
+        raw_config = load_json(config)
+        self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
+        weakref.finalize(self, self.distributed.close)  # [Note: teardown] in distributed.py
+        self.comm = self.distributed.comm
         user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.config: Config = parse_config(
-            config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
+            raw_config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
         )
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
@@ -202,7 +206,7 @@ class Engine(nn.Module):
         offload = zero.offload_optimizer.enabled
         if zero.stage == 3:
             self.stage3, shard_fp32 = setup_stage3(
-                self.module, comm=self.comm, zero=zero, dtype=self.compute_dtype, device=self.device,
+                self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
                 full_value=take_whole,
             )  # fmt: skip
             self.zero_optimizer = UnitOptimizer(
@@ -354,9 +358,11 @@ class Engine(nn.Module):
         return self._fetch_stats.as_dict() if self.stage3 is not None else {}
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
-        """The model's state dict in the compute dtype, in one file written by rank 0. At stage 3 the weights are
-        gathered one unit at a time (other ranks hold at most one unit more) and only with
+        """Collective (every rank calls it; a rank calling it alone gets a CollectiveUsageError): the model's
+        state dict in the compute dtype, in one file written by rank 0. At stage 3 the weights are gathered one
+        unit at a time (other ranks hold at most one unit more) and only with
         stage3_gather_16bit_weights_on_model_save; without it this returns False, as DeepSpeed does."""
+        self.distributed.check_call("save_16bit_model")
         if self.stage3 is not None and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
                 "save_16bit_model: nothing saved; at stage 3 it needs "
@@ -412,9 +418,13 @@ class Engine(nn.Module):
         return _TrainingDataLoader(training_data, sampler=sampler, **batch)
 
     def destroy(self) -> None:
+        """Collective (every rank calls it): finishes what is in flight, removes the engine's hooks, and tears
+        down the process groups it created ([Note: teardown] in distributed.py). Also runs at interpreter exit
+        for an engine still alive then, so a script may simply end."""
         self.zero_optimizer.close()
         if self.stage3 is not None:
             self.stage3.close()
+        self.distributed.close()
 
 
 def initialize(

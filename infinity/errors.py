@@ -53,3 +53,21 @@ class AioTimeoutError(AioError):
 
     The requests still in flight keep their buffers and AIO context for the life of the process, and
     the handle that raised this refuses further requests (see AioHandle)."""
+
+
+class CollectiveError(InfinityError):
+    """A collective failed or timed out: a peer rank exited, hung, or is running something else."""
+
+    def __init__(self, *, op: str, group: str, timeout_s: float | None, cause: str) -> None:
+        self.op = op
+        self.group = group
+        self.timeout_s = timeout_s
+        waited = f" or did not answer within {timeout_s:g} s" if timeout_s else ""
+        super().__init__(
+            f"{op} on the {group} group failed: a peer rank has exited{waited} ({cause.strip()[:500]}). The "
+            "timeout is the config key collective_timeout or the environment variable INFINITY_COLLECTIVE_TIMEOUT_S"
+        )
+
+
+class CollectiveUsageError(InfinityError):
+    """A collective API was called on some ranks only: every rank must call it, in the same order."""

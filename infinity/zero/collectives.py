@@ -6,10 +6,13 @@ gloo has no AVG reduction, so averages are a SUM followed by a division.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from infinity.errors import CollectiveError
 
 # torch 2.13 names the flat-tensor collectives *_single (the *_tensor names warn); older releases lack them.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -18,23 +21,38 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass(frozen=True, slots=True)
 class Comm:
-    """Who we talk to: the data-parallel group, this rank's place in it, and its size."""
+    """Who we talk to: the group, this rank's place in it, and its size; ``name`` and ``timeout_s`` for errors."""
 
     group: dist.ProcessGroup | None
     rank: int
     world_size: int
+    name: str = "data-parallel"
+    timeout_s: float | None = None
 
     @property
     def active(self) -> bool:
         return self.group is not None and self.world_size > 1
 
 
+@contextlib.contextmanager
+def _reported(comm: Comm, op: str):
+    """A failed or timed-out collective becomes a CollectiveError naming it, the group and the timeout."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, gloo's) are RuntimeErrors
+        raise CollectiveError(op=op, group=comm.name, timeout_s=comm.timeout_s, cause=str(e)) from e
+
+
 class Pending:
     """An in-flight collective and what to do once it finishes (e.g. divide for an average)."""
 
-    def __init__(self, work, finish=None) -> None:
+    def __init__(self, work, finish=None, *, comm: Comm | None = None, op: str = "") -> None:
         self._work = work
         self._finish = finish
+        self._comm = comm
+        self._op = op
 
     def done(self) -> bool:
         """The collective has completed (waiting would not block)."""
@@ -49,17 +67,28 @@ class Pending:
                 first()
             after()
 
-        chained = Pending(self._work, finish)
+        chained = Pending(self._work, finish, comm=self._comm, op=self._op)
         self._work, self._finish = None, None
         return chained
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            with _reported(self._comm, self._op):
+                self._work.wait()
             self._work = None
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
+
+
+def _started(comm: Comm, op: str, call, finish=None, *, async_op: bool) -> Pending:
+    with _reported(comm, op):
+        work = call()
+    if async_op:
+        return Pending(work, finish, comm=comm, op=op)
+    if finish is not None:
+        finish()
+    return Pending(None)
 
 
 def reduce_scatter_mean(comm: Comm, output: torch.Tensor, flat: torch.Tensor, *, async_op: bool) -> Pending:
@@ -67,15 +96,19 @@ def reduce_scatter_mean(comm: Comm, output: torch.Tensor, flat: torch.Tensor, *,
     if not comm.active:
         output.copy_(flat)
         return Pending(None)
-    work = _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
-    return Pending(work, lambda: output.div_(comm.world_size)) if async_op else _done(output.div_(comm.world_size))
+    return _started(
+        comm, "reduce-scatter", lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=comm.group,
+        async_op=async_op), lambda: output.div_(comm.world_size), async_op=async_op,
+    )  # fmt: skip
 
 
 def all_reduce_mean(comm: Comm, flat: torch.Tensor, *, async_op: bool) -> Pending:
     if not comm.active:
         return Pending(None)
-    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
-    return Pending(work, lambda: flat.div_(comm.world_size)) if async_op else _done(flat.div_(comm.world_size))
+    return _started(
+        comm, "all-reduce", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op),
+        lambda: flat.div_(comm.world_size), async_op=async_op,
+    )  # fmt: skip
 
 
 def all_gather_pieces(comm: Comm, flat: torch.Tensor, piece: torch.Tensor, *, async_op: bool) -> Pending:
@@ -83,20 +116,28 @@ def all_gather_pieces(comm: Comm, flat: torch.Tensor, piece: torch.Tensor, *, as
     if not comm.active:
         flat.copy_(piece)
         return Pending(None)
-    return Pending(_all_gather(flat, piece, group=comm.group, async_op=async_op))
+    return _started(
+        comm, "all-gather", lambda: _all_gather(flat, piece, group=comm.group, async_op=async_op), async_op=async_op
+    )
+
+
+def broadcast_(comm: Comm, tensor: torch.Tensor, *, src: int) -> torch.Tensor:
+    """tensor <- rank ``src``'s tensor, on every rank."""
+    if comm.active:
+        with _reported(comm, f"broadcast from rank {src}"):
+            dist.broadcast(tensor, src=src, group=comm.group)
+    return tensor
 
 
 def all_reduce_sum_(comm: Comm, tensor: torch.Tensor) -> torch.Tensor:
     if comm.active:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group)
+        with _reported(comm, "all-reduce (sum)"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=comm.group)
     return tensor
 
 
 def all_reduce_max_(comm: Comm, tensor: torch.Tensor) -> torch.Tensor:
     if comm.active:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=comm.group)
+        with _reported(comm, "all-reduce (max)"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=comm.group)
     return tensor
-
-
-def _done(_) -> Pending:
-    return Pending(None)

@@ -127,9 +127,10 @@ class Coordinator:
     """Runtime of ZeRO-3 fetching: follows and records the trace, asks schedule.py what to prefetch and
     release, and fetches through the rendezvous ([Note: fetch rendezvous])."""
 
-    def __init__(self, table: UnitTable, comm: Comm, knobs: Knobs) -> None:
+    def __init__(self, table: UnitTable, comm: Comm, knobs: Knobs, *, header_comm: Comm | None = None) -> None:
         self.table = table
-        self.comm = comm  # the fetch group
+        self.comm = comm  # the fetch group: unit all-gathers
+        self.header_comm = header_comm or comm  # the rendezvous headers: host tensors, so a gloo group
         self.knobs = knobs
         self._numel = tuple(unit.numel for unit in table.units)
         self._width = max(16, max(len(u) for u in table.module_units))  # units per header round
@@ -302,6 +303,12 @@ class Coordinator:
     def release_now(self, index: int) -> None:
         self._release(index)
 
+    def close(self) -> None:
+        """Waits for the all-gathers in flight and releases every unit (the engine is being destroyed)."""
+        for index in list(self._resident.live):
+            self._release(index)
+        self.in_pass = False
+
     # ---- internals ----
     def _reset_pass(self, *, grad_mode: bool) -> None:
         trace = self._traces.get(grad_mode)
@@ -374,9 +381,9 @@ class Coordinator:
             row = torch.full((2 + self._width,), -1, dtype=torch.int64)
             row[0], row[1] = status, 1 if remaining else 0
             row[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-            rows = torch.empty(self.comm.world_size * row.numel(), dtype=torch.int64)
-            collectives.all_gather_pieces(self.comm, rows, row, async_op=False)
-            rows = rows.view(self.comm.world_size, -1)
+            rows = torch.empty(self.header_comm.world_size * row.numel(), dtype=torch.int64)
+            collectives.all_gather_pieces(self.header_comm, rows, row, async_op=False)
+            rows = rows.view(self.header_comm.world_size, -1)
             first = rows if first is None else first
             union.update(int(u) for u in rows[:, 2:].flatten().tolist() if u >= 0)
             if not bool((rows[:, 1] == 1).any()):

@@ -78,18 +78,21 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
     return whole
 
 
-def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool) -> None:
+def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torch.device | None = None) -> None:
+    """``device``: where the piece lives (the compute device: NCCL broadcasts device tensors); default the
+    parameter's own."""
     data = param.data
+    device = data.device if device is None else device
     numel = data.numel()
     multiple = comm.world_size * ALIGN
     padded = -(-max(numel, 1) // multiple) * multiple
-    if padded == numel and data.is_contiguous():
+    if padded == numel and data.is_contiguous() and data.device == device:
         flat = data.view(-1)  # no copy: a second full-size buffer per module would fragment the heap
     else:
-        flat = torch.zeros(padded, dtype=data.dtype, device=data.device)
+        flat = torch.zeros(padded, dtype=data.dtype, device=device)
         flat[:numel].copy_(data.reshape(-1))
-    if broadcast and comm.active:
-        torch.distributed.broadcast(flat, src=0, group=comm.group)
+    if broadcast:
+        collectives.broadcast_(comm, flat, src=0)
     piece_numel = flat.numel() // comm.world_size
     piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel].clone()
     shard = init_shard(param)
@@ -99,14 +102,14 @@ def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool) -> None:
         param.ds_numel = numel
     else:
         shard.piece.copy_(piece)
-    param.data = torch.empty(0, dtype=data.dtype, device=data.device)
+    param.data = torch.empty(0, dtype=data.dtype, device=device)
 
 
 def _restore(param: nn.Parameter, *, keep_edits: bool = True) -> None:
     """Back to the placeholder, keeping this rank's piece of the (possibly edited) whole value."""
     shard = init_shard(param)
     if keep_edits:
-        _partition(param, shard.comm, broadcast=False)
+        _partition(param, shard.comm, broadcast=False, device=shard.piece.device)
     else:
         param.data = torch.empty(0, dtype=shard.piece.dtype, device=shard.piece.device)
 
@@ -176,6 +179,7 @@ class Init:
         self._depth: dict[int, int] = {}
         self._mode: _WholeOnUse | None = None
         self.comm: Comm | None = None
+        self.device: torch.device | None = None
 
     @staticmethod
     def _check_config(raw) -> None:
@@ -195,9 +199,10 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from infinity.distributed import init_distributed
+        from infinity.distributed import compute_device, join_process_group
 
-        self.comm = init_distributed()
+        self.comm = join_process_group()
+        self.device = compute_device()
         _set_mmap_threshold(1 << 20)
         for cls in _all_subclasses(nn.Module) | {nn.Module}:
             self._wrap(cls)
@@ -252,7 +257,7 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for param in module.__dict__.get("_parameters", {}).values():
             if param is not None and init_shard(param) is None:
-                _partition(param, self.comm, broadcast=True)
+                _partition(param, self.comm, broadcast=True, device=self.device)
 
 
 class GatheredParameters:
@@ -260,7 +265,8 @@ class GatheredParameters:
 
     On exit they are partitioned again; with modifier_rank set, that rank's values are broadcast first, so its
     edits reach every rank (and, after initialize(), the optimizer's fp32 masters). Without it, edits are
-    dropped. Every rank must enter with the same parameters, as with DeepSpeed's."""
+    dropped. Collective: every rank must enter with the same parameters, as with DeepSpeed's (after
+    initialize(), a rank entering alone gets a CollectiveUsageError)."""
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
@@ -280,6 +286,7 @@ class GatheredParameters:
             raise ValueError("GatheredParameters: the parameters belong to different engines; gather them separately")
         if runtimes:
             self._stage3 = next(iter(runtimes.values()))
+            self._stage3.check_call("GatheredParameters")  # [Note: collective calls] in distributed.py
             self._units = self._stage3.gather(self.params)
         self._init_params = _placeholders(self.params)
         for param in self._init_params:
@@ -291,8 +298,8 @@ class GatheredParameters:
             return
         for param in self._init_params:
             comm = init_shard(param).comm
-            if self.modifier_rank is not None and comm.active:
-                torch.distributed.broadcast(param.data, src=self.modifier_rank, group=comm.group)
+            if self.modifier_rank is not None:
+                collectives.broadcast_(comm, param.data, src=self.modifier_rank)
             _restore(param, keep_edits=self.modifier_rank is not None)
         if self._stage3 is not None:
             self._stage3.partition(self._units, modifier_rank=self.modifier_rank)

@@ -213,8 +213,7 @@ class ZeroOptimizer(PartitionedOptimizer):
             for slot in bucket.slots:
                 flat[slot.offset : slot.offset + slot.numel].copy_(params[slot.param_index].detach().reshape(-1))
             # Every rank starts from rank 0's weights, as DeepSpeed broadcasts the model at initialization.
-            if self.comm.active:
-                torch.distributed.broadcast(flat, src=0, group=self.comm.group)
+            collectives.broadcast_(self.comm, flat, src=0)
             start, end = bucket.piece_range(self.shard_rank)
             master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel].copy_(flat[start:end])
             flat = flat.to(self.compute_dtype)

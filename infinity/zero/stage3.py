@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,10 +25,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
 from infinity.config import ZeroConfig
-from infinity.zero.collectives import Comm
+from infinity.distributed import Distributed
+from infinity.zero import collectives
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.schedule import BACKWARD, FORWARD, Knobs
-from infinity.zero.units import Unit, UnitState, UnitTable, build_units, register_runtime
+from infinity.zero.units import Unit, UnitState, UnitTable, build_units, register_runtime, unregister_runtime
+
+logger = logging.getLogger("infinity")
 
 
 class _FetchOnUse(TorchFunctionMode):
@@ -94,11 +98,12 @@ def _on_backward(values, callback_factory: Callable[[], Callable[[], None] | Non
     return _pytree.tree_unflatten([wrapped.get(id(leaf), leaf) for leaf in leaves], spec)
 
 
-@dataclass(slots=True)
+@dataclass  # no slots: the registry of parameters refers to it weakly
 class Stage3:
     table: UnitTable
     coordinator: Coordinator
     handles: list
+    check_call: Callable[[str], None]  # [Note: collective calls] in distributed.py
     on_piece_edited: Callable[[Unit], None] | None = None  # the optimizer's masters follow an edited shard
 
     # ---- GatheredParameters and saving ----
@@ -113,8 +118,7 @@ class Stage3:
         for index, release in gathered:
             unit = self.table.units[index]
             if modifier_rank is not None:
-                if comm.active:
-                    dist.broadcast(unit.full, src=modifier_rank, group=comm.group)
+                collectives.broadcast_(comm, unit.full, src=modifier_rank)
                 start, end = unit.bucket.piece_range(comm.rank)
                 unit.shard.copy_(unit.full[start:end])
                 if self.on_piece_edited is not None:
@@ -126,20 +130,23 @@ class Stage3:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-
-
-def fetch_comm(comm: Comm) -> Comm:
-    """A second group over the same ranks for fetches ([Note: fetch rendezvous] in coordinator.py)."""
-    if not comm.active:
-        return comm
-    group = dist.new_group(ranks=list(range(comm.world_size)))
-    return Comm(group=group, rank=comm.rank, world_size=comm.world_size)
+        self.coordinator.close()
+        unregister_runtime(self.table.parameters())
 
 
 def setup_stage3(
-    model: nn.Module, *, comm: Comm, zero: ZeroConfig, dtype: torch.dtype, device: torch.device, full_value
+    model: nn.Module,
+    *,
+    distributed: Distributed,
+    zero: ZeroConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    full_value,
 ) -> tuple[Stage3, torch.Tensor]:
-    """Partitions the model into units and installs the hooks. Returns the runtime and this rank's fp32 shard."""
+    """Partitions the model into units and installs the hooks. Returns the runtime and this rank's fp32 shard.
+    Fetches get their own groups ([Note: fetch rendezvous] in coordinator.py): one for the units, and for the
+    headers a gloo one where the units travel over NCCL (headers are small host tensors: no device sync)."""
+    comm = distributed.comm
     table, shard_fp32 = build_units(
         model, comm=comm, dtype=dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -150,8 +157,21 @@ def setup_stage3(
         prefetch_numel=zero.stage3_prefetch_bucket_size,
         max_reuse_distance=zero.stage3_max_reuse_distance,
     )
-    coordinator = Coordinator(table, fetch_comm(comm), knobs)
-    stage3 = Stage3(table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator))
+    fetch = distributed.new_comm("ZeRO-3 fetch")
+    on_gloo = not comm.active or dist.get_backend(comm.group) == "gloo"
+    headers = fetch if on_gloo else distributed.new_comm("ZeRO-3 fetch header", backend="gloo")
+    coordinator = Coordinator(table, fetch, knobs, header_comm=headers)
+    stage3 = Stage3(
+        table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator),
+        check_call=distributed.check_call,
+    )  # fmt: skip
+    if not any(not unit.persistent for unit in table.units) and comm.rank == 0:
+        logger.warning(
+            "ZeRO-3 partitions nothing: every parameter has at most stage3_param_persistence_threshold=%d "
+            "elements, so each rank keeps the whole model. Lower zero_optimization."
+            "stage3_param_persistence_threshold (0 partitions every parameter) to partition it.",
+            zero.stage3_param_persistence_threshold,
+        )
     register_runtime(table.parameters(), stage3)  # how GatheredParameters finds it
     return stage3, shard_fp32
 

@@ -21,6 +21,7 @@ units, in unit order, so GradientReducer reduce-scatters each unit's gradient in
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -130,12 +131,21 @@ _RUNTIMES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_runtime(params, runtime) -> None:
+    """Weakly both ways: the runtime refers to its parameters, so a strong value would keep them (and the
+    whole engine) alive forever."""
+    reference = weakref.ref(runtime)
     for param in params:
-        _RUNTIMES[param] = runtime
+        _RUNTIMES[param] = reference
+
+
+def unregister_runtime(params) -> None:
+    for param in params:
+        _RUNTIMES.pop(param, None)
 
 
 def stage3_runtime(param: nn.Parameter):
-    return _RUNTIMES.get(param)
+    reference = _RUNTIMES.get(param)
+    return None if reference is None else reference()
 
 
 def _owners(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
@@ -196,8 +206,7 @@ def build_units(
         full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=device)
         for slot, param in zip(bucket.slots, params, strict=True):
             full[slot.offset : slot.offset + slot.numel].copy_(full_value(param).reshape(-1))
-        if comm.active:
-            torch.distributed.broadcast(full, src=0, group=comm.group)
+        collectives.broadcast_(comm, full, src=0)
         start, end = bucket.piece_range(comm.rank)
         piece = slice(bucket.shard_offset, bucket.shard_offset + bucket.piece_numel)
         shard_fp32[piece].copy_(full[start:end])
