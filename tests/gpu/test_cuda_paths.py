@@ -1,0 +1,142 @@
+"""CUDA paths that a CPU machine cannot exercise: stage 3 with parameters on the device and fetch headers on a
+gloo side group next to NCCL, zero.Init pieces on the device, and stage 2 with the optimizer offloaded to the
+host (device -> host gradient copies that must be complete before the step reads them).
+
+Skipped without CUDA; the NCCL test needs two GPUs. `benchmarks/gpu/run_checks.sh` runs them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import infinity
+import infinity.zero
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+STEPS, MICRO, RTOL = 8, 8, 1e-5
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+
+
+def batches():
+    gen = torch.Generator().manual_seed(11)
+    return [(torch.randn(MICRO, 32, generator=gen), torch.randn(MICRO, 4, generator=gen)) for _ in range(STEPS)]
+
+
+def config(stage: int, **zero) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+
+
+def plain_cuda():
+    model = mlp().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for x, y in batches():
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x.cuda()), y.cuda())
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def engine_losses(engine):
+    losses = []
+    for x, y in batches():
+        loss = F.mse_loss(engine(x), y.cuda())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    return losses, params
+
+
+def assert_close(got, want) -> None:
+    (got_losses, got_params), (want_losses, want_params) = got, want
+    for a, b in zip(got_losses, want_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (got_losses, want_losses)
+    for name, value in want_params.items():
+        error = float((got_params[name] - value).abs().max() / value.abs().max())
+        assert error <= 1e-4, f"{name}: {error:.2e}"  # TF32 and cuBLAS split-K differ from run to run
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_stage2_on_cuda_matches_plain_pytorch(offload):
+    """With the optimizer on the host, each reduced gradient piece is copied device -> host and added at once:
+    a non-blocking copy there would be read before it lands (silently wrong gradients)."""
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    engine, *_ = infinity.initialize(model=mlp(), config=config(2, reduce_bucket_size=5000, **zero))
+    assert_close(engine_losses(engine), plain_cuda())
+    engine.destroy()
+
+
+def test_stage3_partitions_on_the_device_without_moving_the_whole_model():
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = mlp()  # on the host
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    engine, *_ = infinity.initialize(model=model, config=config(3))
+    assert all(p.device.type == "cuda" for p in engine.module.parameters())
+    assert engine.stage3.table.flat_shard.device.type == "cuda"
+    # one unit's fp32 staging at a time, plus the shard, its fp32 copy and the masters: never the model twice
+    assert torch.cuda.max_memory_allocated() - before < 4 * whole, torch.cuda.max_memory_allocated() - before
+    assert_close(engine_losses(engine), plain_cuda())
+    engine.destroy()
+
+
+def test_zero_init_keeps_pieces_on_the_device():
+    with infinity.zero.Init():
+        model = mlp()
+    pieces = [infinity.zero.init.init_shard(p).piece for p in model.parameters()]
+    assert all(piece.device.type == "cuda" for piece in pieces)
+    engine, *_ = infinity.initialize(model=model, config=config(3))
+    assert_close(engine_losses(engine), plain_cuda())
+    engine.destroy()
+
+
+NCCL_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, infinity, infinity.zero
+    from torch.nn import functional as F
+    sys.path.insert(0, sys.argv[1])
+    from tests.gpu.test_cuda_paths import batches, config, mlp
+    engine, *_ = infinity.initialize(model=mlp(), config=config(3))
+    assert torch.distributed.get_backend() == "nccl"
+    rank = engine.global_rank
+    for x, y in batches():
+        half = slice(rank * 4, rank * 4 + 4)
+        engine.backward(F.mse_loss(engine(x[half]), y[half].cuda()))
+        engine.step()
+    print("ok", rank, engine.zero_stats()["prefetched_fraction"], flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_stage3_over_nccl(tmp_path):
+    """Fetch headers travel on a gloo side group (host tensors, no device sync); units over NCCL."""
+    script = tmp_path / "nccl.py"
+    script.write_text(NCCL_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), root]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("ok") == 2, done.stdout
