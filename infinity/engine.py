@@ -90,8 +90,8 @@ def _flag(params: dict, key: str, default: bool) -> bool:
 def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torch.optim.Optimizer:
     """The optimizer section as a torch optimizer, with DeepSpeed's defaults for the keys it omits. DeepSpeed's
     "Adam" decouples weight decay (adam_w_mode defaults to true), so it is AdamW unless adam_w_mode is false. On
-    the CPU, Adam/AdamW use the fused kernel: as fast as a hand-written SIMD Adam there (shared DESIGN.md,
-    "Measured")."""
+    the CPU, Adam/AdamW use the fused kernel: as fast as a hand-written SIMD Adam there
+    (docs/ARCHITECTURE.md, "Measured")."""
     spec = config.optimizer
     params = dict(spec.params)
     kind = spec.type.lower()

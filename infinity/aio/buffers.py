@@ -1,7 +1,7 @@
 """Aligned host buffers for direct I/O, and a bounded pool of them.
 
 Why huge pages: every 4 KiB page of a buffer is a separate segment of a direct-I/O request, and on the
-disks this was measured on that halves O_DIRECT throughput (shared DESIGN.md, "Measured"). A buffer
+disks this was measured on that halves O_DIRECT throughput (docs/ARCHITECTURE.md, "Measured"). A buffer
 that is 2 MiB-aligned and backed by huge pages moves in a few large segments. So every buffer the I/O
 engine touches comes from here or is staged through one.
 
