@@ -4,10 +4,12 @@
 A gloo process group that is still alive when the interpreter exits can abort the process ("terminate called
 without an active exception", measured in 3-10% of 2-process runs of scripts that end without tearing down),
 and a rank that closes a connection while its peer still uses it aborts the peer. So the engine owns the
-teardown of what it made: ``Distributed.close()`` (from ``engine.destroy()``, from the engine being garbage
-collected, or at interpreter exit through weakref.finalize) first waits until every rank is closing too (a
-check on the rendezvous store, bounded by the timeout), then destroys the groups the engine created, and the
-default group when an engine created it and no other engine still uses it. A group the user made is theirs.
+teardown of what it made: ``Distributed.close()`` (from ``engine.destroy()``, or at interpreter exit for
+every engine not yet destroyed) first waits until every rank is closing too (a check on the rendezvous store,
+bounded by the timeout), then destroys the groups the engine created, and the default group when an engine
+created it and no other engine still uses it. A group the user made is theirs. An engine that is garbage
+collected only removes its hooks: the cycle collector runs at a different moment on each rank, where a wait
+for the other ranks could stall both; its groups are closed at exit.
 
 [Note: collective calls]
 APIs that every rank must call (save_16bit_model, GatheredParameters, destroy) first post their name on the
@@ -45,9 +47,18 @@ class _DefaultGroupOwnership:
 
 _DEFAULT = _DefaultGroupOwnership()
 _ENGINE_NUMBERS = itertools.count()
+_LIVE: set[Distributed] = set()  # not yet closed: closed at interpreter exit ([Note: teardown])
 
 
-@dataclass(slots=True)
+def _close_at_exit() -> None:
+    for distributed in sorted(_LIVE, key=lambda d: -d.number):  # the newest first, the same order on every rank
+        distributed.close()
+
+
+atexit.register(_close_at_exit)
+
+
+@dataclass(eq=False, slots=True)
 class Distributed:
     """The process groups one engine uses, which of them it created, and its collective-call checks."""
 
@@ -84,6 +95,7 @@ class Distributed:
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         if not dist.is_available() or not dist.is_initialized():
             return  # the user destroyed the default group, and with it every other group
         try:
@@ -91,7 +103,8 @@ class Distributed:
         except Exception as e:  # noqa: BLE001 - a peer that already exited took the store with it
             problem = f"the other ranks could not be reached ({e})"
         if problem is not None:
-            logger.warning("infinity: tearing down process groups although %s", problem)
+            logger.error("infinity: destroy is a collective call, every rank must make it; tearing down although %s",
+                         problem)  # fmt: skip
         try:
             for group in self.created:
                 dist.destroy_process_group(group)
@@ -111,6 +124,9 @@ class Distributed:
             return None
         store = dist.distributed_c10d._get_default_store()
         prefix = f"infinity/engine{self.number}/call{self._calls}"
+        if self._calls >= 2:  # every rank has read call n-2's posts before it posted call n-1: drop ours
+            with contextlib.suppress(Exception):
+                store.delete_key(f"infinity/engine{self.number}/call{self._calls - 2}/rank{self.comm.rank}")
         self._calls += 1
         store.set(f"{prefix}/rank{self.comm.rank}", api)
         keys = [f"{prefix}/rank{r}" for r in range(self.comm.world_size)]
@@ -145,11 +161,17 @@ def join_process_group(timeout_s: float | None = None) -> Comm:
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> Distributed:
-    """The engine's groups: it joins (or makes) the default group and counts as one of its users."""
+    """The engine's groups: it joins (or makes) the default group and counts as one of its users. When the user
+    made the default group, its timeout is theirs (gloo's default is 30 minutes): the engine then reduces over
+    a group of its own, over the same ranks, so that a dead peer fails a step within ``timeout_s``."""
     comm = join_process_group(timeout_s)
+    distributed = Distributed(comm=comm, timeout_s=timeout_s, number=next(_ENGINE_NUMBERS))
     if comm.active and _DEFAULT.created:
         _DEFAULT.users += 1
-    return Distributed(comm=comm, timeout_s=timeout_s, number=next(_ENGINE_NUMBERS))
+    elif comm.active:
+        distributed.comm = distributed.new_comm("data-parallel", backend=dist.get_backend(comm.group))
+    _LIVE.add(distributed)
+    return distributed
 
 
 def _destroy_unused_default_group() -> None:

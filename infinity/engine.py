@@ -67,6 +67,14 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return groups
 
 
+def _remove_hooks(zero_optimizer, stage3: Stage3 | None) -> None:
+    """The hooks on the model's parameters and modules refer to the optimizer and the stage-3 runtime: without
+    removing them, a dropped engine would live (and keep training state) as long as the model."""
+    zero_optimizer.close()
+    if stage3 is not None:
+        stage3.close()
+
+
 def _not_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The model's parameters in no param group: frozen ones, and trainable ones left out of model_parameters
     (DeepSpeed casts them to the compute dtype and does not update them)."""
@@ -178,7 +186,6 @@ class Engine(nn.Module):
         super().__init__()
         raw_config = load_json(config)
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
-        weakref.finalize(self, self.distributed.close)  # [Note: teardown] in distributed.py
         self.comm = self.distributed.comm
         user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.config: Config = parse_config(
@@ -224,6 +231,7 @@ class Engine(nn.Module):
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
         self.optimizer = self.zero_optimizer
+        weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         if self.config.scheduler is not None:
             self.lr_scheduler = build_schedule(self.config.scheduler, torch_optimizer)
@@ -421,9 +429,7 @@ class Engine(nn.Module):
         """Collective (every rank calls it): finishes what is in flight, removes the engine's hooks, and tears
         down the process groups it created ([Note: teardown] in distributed.py). Also runs at interpreter exit
         for an engine still alive then, so a script may simply end."""
-        self.zero_optimizer.close()
-        if self.stage3 is not None:
-            self.stage3.close()
+        _remove_hooks(self.zero_optimizer, self.stage3)
         self.distributed.close()
 
 
@@ -439,7 +445,8 @@ def initialize(
     args=None,
     **unsupported,
 ):
-    """DeepSpeed's initialize(): returns (engine, optimizer, training dataloader, lr scheduler)."""
+    """DeepSpeed's initialize(): returns (engine, optimizer, training dataloader, lr scheduler). Collective:
+    every rank calls it, building the same model, in the same order as its other engines."""
     if unsupported:
         raise ConfigError(f"initialize() does not take {', '.join(sorted(unsupported))}; see its docstring")
     if model is None:

@@ -62,10 +62,11 @@ class CollectiveError(InfinityError):
         self.op = op
         self.group = group
         self.timeout_s = timeout_s
-        waited = f" or did not answer within {timeout_s:g} s" if timeout_s else ""
+        waited = f", or did not answer within {timeout_s:g} s" if timeout_s else ""
         super().__init__(
-            f"{op} on the {group} group failed: a peer rank has exited{waited} ({cause.strip()[:500]}). The "
-            "timeout is the config key collective_timeout or the environment variable INFINITY_COLLECTIVE_TIMEOUT_S"
+            f"{op} on the {group} group failed: {cause.strip()[:500]}. Most often a peer rank has exited or "
+            f"stopped{waited}; look at the other ranks' output. The timeout is the config key collective_timeout "
+            "or the environment variable INFINITY_COLLECTIVE_TIMEOUT_S"
         )
 
 

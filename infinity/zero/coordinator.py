@@ -100,6 +100,8 @@ class PassState:
     running: list[int] = field(default_factory=list)  # modules whose forward is running, innermost last
     # [Note: release after backward]
     awaiting: dict[int, int] = field(default_factory=dict)  # unit -> module backwards registered, not yet done
+    no_grad_forward: set[int] = field(default_factory=set)  # modules whose forward ran without grad (reentrant
+    # checkpointing: their backward graph is the one their recomputation builds)
     grads_left: list[int] = field(default_factory=list)  # per unit: parameters whose gradient is still to come
 
 
@@ -198,6 +200,8 @@ class Coordinator:
         if phase == FORWARD:
             self._pass.event_position[module] = self._pass.position
             self._pass.running.append(module)
+            if self._pass.phase == FORWARD and not torch.is_grad_enabled():
+                self._pass.no_grad_forward.add(module)
         units = self.table.module_units[module]
         started = time.perf_counter()
         needs = [u for u in units if self.table.units[u].state is UnitState.RELEASED]
@@ -258,8 +262,12 @@ class Coordinator:
 
     def expect_module_backward(self, module: int) -> Callable[[], None] | None:
         """The module is about to run forward with inputs that require grad: returns the callback its
-        post-backward calls, or None where no such wait applies (recomputation inside backward)."""
-        if self._pass.phase == BACKWARD or not self._pass.grad_mode:
+        post-backward calls, or None where no such wait applies. A recomputation inside backward only counts
+        when the module's first forward ran without grad (reentrant checkpointing runs backward through the
+        recomputed graph; non-reentrant recomputation builds a graph that is never run backward)."""
+        if not self._pass.grad_mode:
+            return None
+        if self._pass.phase == BACKWARD and module not in self._pass.no_grad_forward:
             return None
         units = self.table.module_units[module]
         for unit in units:

@@ -3,8 +3,8 @@
 - root pre-forward: a pass begins, and _FetchOnUse watches for parameters used by a module that does not own
   them; root post-forward without gradients (evaluation, generate()): the pass ends. With gradients the engine
   ends it after backward. Every rank must run the same number of passes (as with DDP).
-- pre-forward of a module using units: fetch them, and wrap the inputs that require grad in an autograd
-  function whose backward is the module's post-backward (its backward is done). post-forward: maybe release
+- pre-forward of a module using units: fetch them, and hook the inputs that require grad: once their gradients
+  exist, the module's backward is done (its post-backward). post-forward: maybe release
   the units, and wrap the outputs in one whose backward is the module's pre-backward: fetch again before its
   backward runs (also when torch.utils.checkpoint recomputes: that is an ordinary forward inside backward).
 - gradients: the optimizer's post-accumulate-grad hooks reduce them and call coordinator.on_param_grad; a unit
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
@@ -65,9 +66,8 @@ class _FetchOnUse(TorchFunctionMode):
 
 
 class _OnBackward(torch.autograd.Function):
-    """Identity on some tensors; its backward calls ``callback`` when their gradients arrive. On a module's
-    outputs that is just before the module's backward (the pre-backward fetch); on its inputs, just after it
-    (the module's backward is done: [Note: release after backward] in coordinator.py)."""
+    """Identity on a module's outputs; its backward calls ``callback`` when their gradients arrive, just before
+    the module's backward (the pre-backward fetch)."""
 
     @staticmethod
     def forward(ctx, callback, *tensors):
@@ -96,6 +96,23 @@ def _on_backward(values, callback_factory: Callable[[], Callable[[], None] | Non
         return values
     wrapped = dict(zip(distinct, _OnBackward.apply(callback, *distinct.values()), strict=True))
     return _pytree.tree_unflatten([wrapped.get(id(leaf), leaf) for leaf in leaves], spec)
+
+
+def _after_backward(inputs, callback_factory: Callable[[], Callable[[], None] | None]) -> None:
+    """Calls the factory's callback once the gradients of the inputs that require grad exist: the module's
+    backward is then done ([Note: release after backward] in coordinator.py). Hooks on the input tensors
+    themselves, not a wrapper: the module sees its inputs unchanged, so an in-place edit of an input keeps its
+    meaning for autograd."""
+    tensors = {
+        id(leaf): leaf
+        for leaf in _pytree.tree_leaves(inputs)
+        if torch.is_tensor(leaf) and leaf.requires_grad and leaf.is_floating_point()
+    }
+    if not tensors:
+        return
+    callback = callback_factory()
+    if callback is not None:
+        register_multi_grad_hook(list(tensors.values()), lambda grads: callback(), mode="all")
 
 
 @dataclass  # no slots: the registry of parameters refers to it weakly
@@ -187,8 +204,7 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
             entered.append(True)
         coordinator.on_event(index, FORWARD)
         if torch.is_grad_enabled() and table.module_units[index]:
-            return _on_backward((args, kwargs), functools.partial(coordinator.expect_module_backward, index))
-        return None
+            _after_backward((args, kwargs), functools.partial(coordinator.expect_module_backward, index))
 
     def post_forward(index, module, args, output):
         if index == 0 and entered:

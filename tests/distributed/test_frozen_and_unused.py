@@ -35,6 +35,43 @@ class ScaledFrozen(nn.Module):
         return F.linear(x, self.weight) * self.scale
 
 
+class Reentrant(nn.Module):
+    """Runs a module under reentrant activation checkpointing (its forward without grad, then again in backward,
+    where autograd runs through the recomputed graph)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
+
+
+class EditsItsInput(nn.Module):
+    """Doubles its input in place before using it; the caller reuses the input (a residual), so autograd must
+    see the edit."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / math.sqrt(width))
+
+    def forward(self, x):
+        x.mul_(2)
+        return F.linear(x, self.weight)
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.block = EditsItsInput(32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.inp(x)  # addmm does not keep its output for backward, so editing it in place is allowed
+        return self.out(torch.tanh(self.block(h) + h))
+
+
 class LoRALinear(nn.Module):
     """A frozen base Linear with a trainable low-rank adapter (the shape of PEFT's LoRA)."""
 
@@ -96,6 +133,13 @@ def build(name: str) -> nn.Module:
         return nn.Sequential(
             nn.Linear(16, 32), nn.Tanh(), ScaledFrozen(32), nn.Tanh(), ScaledFrozen(32), nn.Tanh(), nn.Linear(32, 4)
         )
+    if name == "scaled-frozen-reentrant":
+        return nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), Reentrant(ScaledFrozen(32)), nn.Tanh(), Reentrant(ScaledFrozen(32)),
+            nn.Tanh(), nn.Linear(32, 4),
+        )  # fmt: skip
+    if name == "inplace-input":
+        return Residual()
     if name == "lora":
         return nn.Sequential(
             LoRALinear(16, 64), nn.Tanh(), LoRALinear(64, 64), nn.Tanh(), LoRALinear(64, 64), nn.Tanh(),
@@ -186,7 +230,10 @@ def reference(name: str, world_size: int, subset: str = "all", steps: int = STEP
         for rank in range(world_size):
             part = slice(rank * MICRO, (rank + 1) * MICRO)
             loss = F.mse_loss(model(x[part]), y[part])
-            got = torch.autograd.grad(loss, params, allow_unused=True)
+            for param in params:
+                param.grad = None
+            loss.backward()  # not autograd.grad: reentrant checkpointing refuses it
+            got = [None if param.grad is None else param.grad.clone() for param in params]
             grads = got if grads is None else [g if a is None else a + g for a, g in zip(grads, got, strict=True)]
             total += loss.item() / world_size
         for param, grad in zip(params, grads, strict=True):
@@ -206,10 +253,11 @@ def assert_matches(result: dict, ref_losses: list[float], ref_params: dict, rtol
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", ["scaled-frozen", "lora", "containers"])
+@pytest.mark.parametrize("name", ["scaled-frozen", "scaled-frozen-reentrant", "lora", "containers", "inplace-input"])
 def test_stage3_matches_plain_pytorch(name, world_size, tmp_path):
-    """Frozen and trainable parameters in one unit; units of frozen parameters only; parameters used through
-    containers. Losses and parameters (trainable and frozen) equal plain PyTorch's."""
+    """Frozen and trainable parameters in one unit (also under reentrant checkpointing); units of frozen
+    parameters only; parameters used through containers; a module editing its input in place. Losses and
+    parameters (trainable and frozen) equal plain PyTorch's."""
     results = run_distributed(_engine_run, world_size, tmp_path, timeout_s=180, name=name, config=config(3))
     ref_losses, ref_params = reference(name, world_size)
     for result in results:
