@@ -240,3 +240,32 @@ def test_closed_handle_refuses_requests_and_earlier_ones_still_report(disk_dir):
             submit(torch.zeros(4096, dtype=torch.uint8), refused)
         assert refused in str(info.value)
     assert not os.path.exists(refused)
+
+
+def test_request_waited_for_during_a_handle_wide_wait_is_reported_once(disk_dir):
+    """handle.wait() in one thread has taken both requests; this thread claims the failed one first."""
+    source = random_tensor(8192, seed=5)
+    with AioHandle() as handle:
+        gate = WorkerGate(handle)
+        slow = handle.submit_pwrite(source, str(disk_dir / "slow.bin"))  # parked behind the gate
+        failed = handle.submit_pread(torch.empty(4096, dtype=torch.uint8), str(disk_dir / "missing.bin"))
+        outcome: dict[str, object] = {}
+
+        def wait_all() -> None:
+            try:
+                outcome["count"] = handle.wait()
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        waiter = threading.Thread(target=wait_all)
+        waiter.start()
+        deadline = time.monotonic() + GATE_LIMIT_S
+        while handle.pending:  # until the handle-wide wait has taken both and blocks on `slow`
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert isinstance(failed.exception(), AioError)  # claimed here, while handle.wait() is still blocked
+        gate.open()
+        waiter.join(GATE_LIMIT_S)
+        assert not waiter.is_alive()
+        assert outcome == {"count": 1}  # `slow` only: `failed` was reported here, not raised there
+        assert slow.wait() == source.numel()
