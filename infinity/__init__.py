@@ -1,6 +1,6 @@
 """infinity: ZeRO-Infinity memory tiers (device, host, NVMe) for PyTorch training."""
 
-from infinity.aio import AioHandle, AioSettings
+from infinity.aio import AioHandle, AioRequest, AioSettings
 from infinity.config import Config, parse_config
 from infinity.engine import Engine, initialize
 from infinity.errors import (
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AioError",
     "AioHandle",
+    "AioRequest",
     "AioTimeoutError",
     "AioSettings",
     "CheckpointError",

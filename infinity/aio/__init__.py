@@ -3,9 +3,11 @@
 from infinity.aio.buffers import Backing, HostBuffer, HostBufferPool, allocate_host_buffer
 from infinity.aio.files import DirectIOFallbackWarning
 from infinity.aio.handle import AioHandle, AioSettings
+from infinity.aio.request import AioRequest
 
 __all__ = [
     "AioHandle",
+    "AioRequest",
     "AioSettings",
     "Backing",
     "DirectIOFallbackWarning",

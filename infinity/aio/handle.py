@@ -8,21 +8,23 @@ How a request runs (see [Note: request path] below):
   pread/pwrite, which writes exactly the logical bytes (nothing past the end of the tensor);
 - tensors whose memory is not 4 KiB-aligned, or that live on a GPU, are staged through the worker's
   aligned huge-page buffer. Tensors from ``new_cpu_locked_tensor`` are used in place: the fast path;
-- each wait for a direct-I/O completion is bounded by the handle's ``timeout_s`` (see AioHandle).
+- each wait for a direct-I/O completion is bounded by the handle's ``timeout_s`` (see AioHandle);
+- the last slice to finish completes the request (see infinity/aio/request.py): whoever waits for it,
+  the request alone or the whole handle, blocks on that request's Event.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from infinity.aio import core
 from infinity.aio.buffers import IO_ALIGNMENT, HostBuffer, allocate_host_buffer
-from infinity.aio.files import OpenFile, open_for_io
+from infinity.aio.files import open_for_io
+from infinity.aio.request import AioRequest, _Outstanding
 from infinity.errors import AioError, AioTimeoutError, ConfigError, InvalidTensorError, ShortTransferError
 
 MAX_QUEUE_DEPTH = 4096
@@ -106,36 +108,6 @@ class _Worker:
             self._staging = None
 
 
-@dataclass(eq=False)
-class _Request:
-    """One user call: the tensor is held so its memory outlives the I/O."""
-
-    is_write: bool
-    path: str
-    offset: int
-    memory: torch.Tensor  # flat uint8 view of the user's tensor
-    file: OpenFile
-    futures: list[Future] = field(default_factory=list)
-    _slices_left: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def slice_finished(self) -> None:
-        with self._lock:
-            self._slices_left -= 1
-            last = self._slices_left == 0
-        if last:
-            self.file.close()
-
-    def error(self) -> BaseException | None:
-        """Waits for every slice; returns the first failure (by slice order), or None."""
-        first = None
-        for future in self.futures:
-            exc = future.exception()
-            if exc is not None and first is None:
-                first = exc
-        return first
-
-
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensorError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -165,6 +137,12 @@ class AioHandle:
     ``sync_*`` return the number of bytes moved; ``async_*`` queue the request and return at once;
     ``wait()`` blocks for every queued request, returns how many succeeded, and raises AioError
     (path, offset, errno) if any failed. Errors in the arguments or opening the file raise at call time.
+
+    ``submit_pread`` / ``submit_pwrite`` queue a request and return its AioRequest, to wait for alone
+    (``request.wait()`` returns its bytes and raises its own error only). Only a closed or quarantined
+    handle and bad arguments raise at call time; a file that cannot be opened, or is too short for the
+    read, is that request's error. ``wait()`` also covers these, except those already waited for through
+    their AioRequest (``wait()`` or ``exception()``): those are neither counted nor raised again.
 
     ``timeout_s`` (default: $INFINITY_AIO_TIMEOUT_S, else 300 s; ``math.inf`` for no limit) bounds each
     wait for a direct-I/O completion, so a stalled disk or a dead device cannot hang the process (and,
@@ -206,8 +184,7 @@ class AioHandle:
             for worker in self._workers:
                 worker.close()
             raise
-        self._pending: list[_Request] = []
-        self._pending_lock = threading.Lock()
+        self._outstanding = _Outstanding()  # queued requests not yet waited for
         self._locked_buffers: dict[int, HostBuffer] = {}
         self._timed_out: AioTimeoutError | None = None  # set once: the handle is quarantined
         self._closer = weakref.finalize(self, _close_workers, self._workers)
@@ -248,39 +225,57 @@ class AioHandle:
 
     # ---- I/O ----
     def sync_pread(self, tensor: torch.Tensor, path, file_offset: int = 0) -> int:
-        return self._run_sync(self._submit(tensor, path, file_offset, is_write=False))
+        return self._submit(tensor, path, file_offset, is_write=False).wait()
 
     def sync_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0) -> int:
-        return self._run_sync(self._submit(tensor, path, file_offset, is_write=True))
+        return self._submit(tensor, path, file_offset, is_write=True).wait()
 
     def async_pread(self, tensor: torch.Tensor, path, file_offset: int = 0) -> None:
-        self._queue(self._submit(tensor, path, file_offset, is_write=False))
+        self._outstanding.add(self._submit(tensor, path, file_offset, is_write=False))
 
     def async_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0) -> None:
-        self._queue(self._submit(tensor, path, file_offset, is_write=True))
+        self._outstanding.add(self._submit(tensor, path, file_offset, is_write=True))
+
+    def submit_pread(self, tensor: torch.Tensor, path, file_offset: int = 0) -> AioRequest:
+        """Queue a read of ``tensor.nbytes`` bytes at ``file_offset`` into ``tensor``; wait on the result."""
+        request = self._submit(tensor, path, file_offset, is_write=False, defer_file_errors=True)
+        self._outstanding.add(request)
+        return request
+
+    def submit_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0) -> AioRequest:
+        """Queue a write of ``tensor`` to ``path`` at ``file_offset``; wait on the result."""
+        request = self._submit(tensor, path, file_offset, is_write=True, defer_file_errors=True)
+        self._outstanding.add(request)
+        return request
 
     def wait(self) -> int:
-        """Block until every queued request is done. Returns how many succeeded; raises on any failure."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, []
-        completed = 0
+        """Block until every queued request not already waited for through its AioRequest is done.
+
+        Returns how many of those succeeded; raises the first failure among them (by submission order),
+        with a note of how many failed. Each request is reported once: by this or by its own wait."""
+        requests = self._outstanding.take_all()
+        reported = completed = 0
         failures: list[BaseException] = []
-        for request in pending:
-            exc = request.error()
-            if exc is None:
+        for request in requests:
+            request._done.wait()
+            if not request._claim():  # its own wait() or exception() got there first
+                continue
+            reported += 1
+            if request._error is None:
                 completed += 1
             else:
-                failures.append(exc)
+                failures.append(request._error)
         if failures:
             first = failures[0]
-            if len(pending) > 1:  # the error names one request: say what became of the others
-                _add_note(first, f"{len(failures)} of the {len(pending)} requests failed; {completed} completed")
+            if reported > 1:  # the error names one request: say what became of the others
+                _add_note(first, f"{len(failures)} of the {reported} requests failed; {completed} completed")
             raise first
         return completed
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        """Requests queued and not yet waited for (by wait() or through their AioRequest)."""
+        return len(self._outstanding)
 
     # ---- host buffers ----
     def new_cpu_locked_tensor(self, numel: int, dtype: torch.dtype | torch.Tensor = torch.uint8) -> torch.Tensor:
@@ -321,17 +316,11 @@ class AioHandle:
         self.close()
 
     # ---- internals: see [Note: request path] in the module docstring ----
-    def _queue(self, request: _Request) -> None:
-        with self._pending_lock:
-            self._pending.append(request)
-
-    def _run_sync(self, request: _Request) -> int:
-        exc = request.error()
-        if exc is not None:
-            raise exc
-        return request.memory.numel()
-
-    def _submit(self, tensor: torch.Tensor, path, file_offset: int, *, is_write: bool) -> _Request:
+    def _submit(
+        self, tensor: torch.Tensor, path, file_offset: int, *, is_write: bool, defer_file_errors: bool = False
+    ) -> AioRequest:
+        """Queues the request's slices. defer_file_errors: an open or file-size failure becomes the
+        request's error (submit_*) instead of raising here (sync_*, async_*: DeepSpeed's behaviour)."""
         if not self._closer.alive:
             raise AioError(
                 op="submit", path=str(path), offset=file_offset, errno=None, detail="this AioHandle is closed"
@@ -356,41 +345,59 @@ class AioHandle:
         aligned_offset = file_offset % IO_ALIGNMENT == 0
         direct = self.settings.use_direct_io and aligned_offset and nbytes >= IO_ALIGNMENT
         need_buffered = not direct or nbytes % IO_ALIGNMENT != 0 or memory.device.type != "cpu"
-        file = open_for_io(path, is_write=is_write, direct=direct, need_buffered=need_buffered)
-        if not is_write and file.is_regular and file.size < file_offset + nbytes:
-            file.close()
-            raise ShortTransferError(
-                op="read",
-                path=file.path,
-                offset=file_offset,
-                errno=None,
-                detail=(
-                    f"the file has {file.size} bytes but this read needs {file_offset + nbytes} "
-                    f"(offset {file_offset} + {nbytes} bytes of tensor): was it truncated, or written "
-                    "from a smaller tensor?"
-                ),
-            )
-        request = _Request(is_write=is_write, path=file.path, offset=file_offset, memory=memory, file=file)
-        slices = _plan_slices(nbytes, self.settings.intra_op_parallelism)
-        if not slices:
-            file.close()
+        request = AioRequest(
+            op="write" if is_write else "read",
+            path=str(path),
+            offset=file_offset,
+            tensor=tensor,
+            memory=memory,
+            outstanding=self._outstanding,
+        )
+        try:
+            file = open_for_io(path, is_write=is_write, direct=direct, need_buffered=need_buffered)
+            if not is_write and file.is_regular and file.size < file_offset + nbytes:
+                file.close()
+                raise ShortTransferError(
+                    op="read",
+                    path=file.path,
+                    offset=file_offset,
+                    errno=None,
+                    detail=(
+                        f"the file has {file.size} bytes but this read needs {file_offset + nbytes} "
+                        f"(offset {file_offset} + {nbytes} bytes of tensor): was it truncated, or written "
+                        "from a smaller tensor?"
+                    ),
+                )
+        except AioError as exc:
+            if not defer_file_errors:
+                raise
+            request._fail(exc)
             return request
-        request._slices_left = len(slices)
-        for worker, (start, length) in zip(self._workers, slices, strict=False):
-            request.futures.append(worker.executor.submit(self._run_slice, worker, request, start, length))
+        request.path = file.path
+        slices = _plan_slices(nbytes, self.settings.intra_op_parallelism)
+        request._start(file, len(slices))
+        for index, (worker, (start, length)) in enumerate(zip(self._workers, slices, strict=False)):
+            try:
+                worker.executor.submit(self._run_slice, worker, request, index, start, length)
+            except RuntimeError:  # close() shut the executors down after the check above
+                closed = AioError(
+                    op=request.op, path=request.path, offset=file_offset + start, errno=None,
+                    detail="this AioHandle was closed while the request was being queued",
+                )  # fmt: skip
+                request._slice_finished(index, closed)
         return request
 
-    def _run_slice(self, worker: _Worker, request: _Request, start: int, length: int) -> None:
+    def _run_slice(self, worker: _Worker, request: AioRequest, index: int, start: int, length: int) -> None:
         try:
             self._transfer(worker, request, start, length)
-        except AioTimeoutError as exc:
-            if self._timed_out is None:  # the first timeout is the one reported to later callers
-                self._timed_out = exc
-            raise
-        finally:
-            request.slice_finished()
+        except BaseException as exc:  # the request's error: its waiters raise it
+            if isinstance(exc, AioTimeoutError) and self._timed_out is None:
+                self._timed_out = exc  # the first timeout is the one reported to later callers
+            request._slice_finished(index, exc)
+        else:
+            request._slice_finished(index, None)
 
-    def _transfer(self, worker: _Worker, request: _Request, start: int, length: int) -> None:
+    def _transfer(self, worker: _Worker, request: AioRequest, start: int, length: int) -> None:
         file, memory = request.file, request.memory
         file_offset = request.offset + start
         on_host = memory.device.type == "cpu"
@@ -428,7 +435,7 @@ class AioHandle:
             else:
                 self._staged(worker, request, start + direct_len, rest, direct=False)
 
-    def _staged(self, worker: _Worker, request: _Request, start: int, length: int, *, direct: bool) -> None:
+    def _staged(self, worker: _Worker, request: AioRequest, start: int, length: int, *, direct: bool) -> None:
         """Moves memory[start:start+length] through the worker's aligned staging buffer.
 
         The buffer is used as two halves: while one half's I/O runs on the worker's I/O thread, this thread
