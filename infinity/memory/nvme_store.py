@@ -1,0 +1,854 @@
+"""NvmeStore: the per-rank swap store of the NVMe tier.
+
+A store holds named segments (later: parameter shards and optimizer tiles) in files under ``nvme_path``
+and moves them to and from tensors through an AioHandle. It owns the files' whole life: a private folder
+per run and rank, free-space check and preallocation at open, size checks before each read, removal at
+close, at exit and on SIGINT/SIGTERM, and removal of what a crashed run left behind.
+
+Why one file per rank, not one per segment: a rank may hold thousands of segments (one per optimizer
+tile or parameter shard). One file means one descriptor held for the store's life (no fight with a
+1024-descriptor limit), one free-space check, one preallocation, one create and one unlink. What it
+costs: the layout is fixed at open (the engine knows every shard's size before training starts), and a
+truncation hits every segment past the cut; the size check before each read compares the whole file
+with the size it was given at open, so any truncation fails every read, naming the file.
+
+Layout: segments in the order they were added, each at a 4 KiB-aligned offset, each padded to a 4 KiB
+multiple. The handle uses O_DIRECT only at an aligned offset (at an unaligned one it silently moves the
+whole request with buffered pread/pwrite), so every segment's 4 KiB multiples move with direct I/O. The
+handle writes exactly the logical bytes: a segment whose size is not a multiple of 4 KiB has its last
+partial page (under 4 KiB) moved with pread/pwrite, and a segment under 4 KiB entirely so. The padding
+is never written; it keeps the next segment aligned.
+
+See [Note: swap folder lock] for how runs keep apart and how a crashed run's files are found.
+
+Checksums (``checksum=True``, off by default): zlib.crc32 of each segment's bytes, computed on the
+caller's thread when a write is submitted and verified when a read is waited for. Cost: crc32 runs at
+about 3 GiB/s on one core of the development machine, as fast as the disk itself, so it can halve swap
+throughput; a tensor on a GPU is also copied to the host for it. Use it to chase suspected corruption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno as errno_module
+import fcntl
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.aio.buffers import IO_ALIGNMENT
+from infinity.aio.handle import AioHandle
+from infinity.aio.request import AioRequest
+from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
+
+logger = logging.getLogger("infinity")
+
+RUN_PREFIX = "infinity-"
+LOCK_NAME = "lock"
+SWAP_NAME = "swap"
+_RANK_DIR = re.compile(r"rank\d+")
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_LOCK_BUSY_WAIT_S = 2.0  # a scanner holds a live folder's lock only for an instant; a run holds it for good
+_LOCKLESS_GRACE_S = 60.0  # a folder without a lock file younger than this may be one being made now
+
+# [Note: swap folder lock]
+# Each store lives in <nvme_path>/infinity-<run id>/rank<r>/ holding two files: ``lock`` and ``swap``.
+# The store holds fcntl.flock(LOCK_EX) on ``lock`` for its whole life; the file says who (pid, host).
+# flock is dropped by the kernel when its holder dies, however it dies (SIGKILL, OOM killer, power cut
+# of the process), so "the lock can be taken" means exactly "the run that made this folder is gone".
+# At open, a store looks at every infinity-*/rank*/ folder under nvme_path and removes those whose lock
+# it can take (one log line each); folders whose lock is held are left alone, so runs that share a disk
+# never touch each other's files, and two stores can only share a folder by sharing run id and rank (an
+# error). Whoever removes a folder holds its lock while doing so and unlinks the lock file last; whoever
+# takes a lock checks afterwards that the lock file at the path is still the file it locked (same inode),
+# and starts over otherwise. So a store being made and a scan running at the same time cannot both think
+# they own a folder. A folder with no lock file at all (its run died between mkdir and creating the lock)
+# is removed once it is older than a minute. Caveat: on a network filesystem whose flock is local to each
+# host, a folder in use by another host looks stale; nvme_path is meant to be a local disk.
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // IO_ALIGNMENT) * IO_ALIGNMENT
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+# ---- layout ----
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One named region of the swap file: ``nbytes`` logical bytes at ``offset`` (a 4 KiB multiple),
+    occupying ``padded_nbytes`` (the next 4 KiB multiple) so the following segment stays aligned."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+    @property
+    def padded_nbytes(self) -> int:
+        return _round_up(self.nbytes)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.padded_nbytes
+
+
+@dataclass(frozen=True)
+class SwapLayout:
+    """Where each segment lives in the swap file. Build it with ``SwapLayout.from_sizes``."""
+
+    segments: tuple[Segment, ...]
+    _index: dict[str, Segment] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        index: dict[str, Segment] = {}
+        end = 0
+        for segment in self.segments:
+            if segment.name in index:
+                raise ConfigError(f"swap segment {segment.name!r} is given twice; segment names must be unique")
+            if segment.offset % IO_ALIGNMENT or segment.offset < end:
+                raise ConfigError(
+                    f"swap segment {segment.name!r} at offset {segment.offset} is not 4 KiB-aligned or overlaps "
+                    "the one before it; build layouts with SwapLayout.from_sizes"
+                )
+            index[segment.name] = segment
+            end = segment.end
+        object.__setattr__(self, "_index", index)
+
+    @classmethod
+    def from_sizes(cls, sizes: Iterable[tuple[str, int]]) -> SwapLayout:
+        """Segments in the given order, each at the next 4 KiB boundary, padded to 4 KiB."""
+        segments = []
+        offset = 0
+        for name, nbytes in sizes:
+            _check_segment(name, nbytes)
+            segments.append(Segment(name, offset, nbytes))
+            offset += _round_up(nbytes)
+        return cls(tuple(segments))
+
+    @property
+    def total_bytes(self) -> int:
+        """The swap file's size: the end of the last segment's padding."""
+        return self.segments[-1].end if self.segments else 0
+
+    def __getitem__(self, name: str) -> Segment:
+        return self._index[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __iter__(self) -> Iterator[Segment]:
+        return iter(self.segments)
+
+    def __len__(self) -> int:
+        return len(self.segments)
+
+
+def _check_segment(name: object, nbytes: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"a swap segment's name must be a non-empty string, got {name!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ConfigError(f"swap segment {name!r}: nbytes must be a non-negative integer, got {nbytes!r}")
+
+
+# ---- accounting ----
+@dataclass(slots=True)
+class DirectionStats:
+    """One direction's totals: bytes moved by requests that succeeded, how many, and the seconds callers
+    spent blocked in wait() (time the I/O did not overlap with anything else)."""
+
+    bytes: int = 0
+    requests: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """A snapshot of a store's byte accounting (``NvmeStore.stats``)."""
+
+    read: DirectionStats = field(default_factory=DirectionStats)
+    write: DirectionStats = field(default_factory=DirectionStats)
+
+
+class _Accounting:
+    """The live counters behind StoreStats; requests complete on any thread, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    def add_wait(self, op: str, seconds: float) -> None:
+        with self._lock:
+            getattr(self._stats, op).wait_s += seconds
+
+    def add_done(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            direction = getattr(self._stats, op)
+            direction.bytes += nbytes
+            direction.requests += 1
+
+    def snapshot(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                read=DirectionStats(self._stats.read.bytes, self._stats.read.requests, self._stats.read.wait_s),
+                write=DirectionStats(self._stats.write.bytes, self._stats.write.requests, self._stats.write.wait_s),
+            )
+
+
+# ---- requests ----
+def _crc32(tensor: torch.Tensor) -> int:
+    flat = tensor.detach().reshape(-1)
+    flat = flat if flat.dtype is torch.uint8 else flat.view(torch.uint8)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return zlib.crc32(memoryview(flat.numpy()))
+
+
+class SegmentRequest:
+    """One queued read or write of a segment: an AioRequest (same ``wait`` / ``done`` / ``exception``,
+    ``op``, ``path``, ``offset``, ``nbytes``) that also does the store's bookkeeping when it is waited for:
+    byte and wait-time accounting, and with checksums on, verifying a read (a mismatch is an AioError
+    naming the segment and the file). Wait through this object, not only through ``AioHandle.wait()``,
+    or that bookkeeping is skipped."""
+
+    __slots__ = ("segment", "_request", "_accounting", "_tensor", "_crc", "_checksums", "_lock", "_settled", "_error")
+
+    def __init__(
+        self,
+        *,
+        segment: Segment,
+        request: AioRequest,
+        accounting: _Accounting,
+        tensor: torch.Tensor,
+        crc: int | None,
+        checksums: dict[str, int] | None,
+    ) -> None:
+        self.segment = segment
+        self._request = request
+        self._accounting = accounting
+        self._tensor: torch.Tensor | None = tensor
+        self._crc = crc
+        self._checksums = checksums
+        self._lock = threading.Lock()
+        self._settled = False
+        self._error: BaseException | None = None
+
+    op = property(lambda self: self._request.op)
+    path = property(lambda self: self._request.path)
+    offset = property(lambda self: self._request.offset)
+    nbytes = property(lambda self: self._request.nbytes)
+
+    def done(self) -> bool:
+        """True once the I/O has succeeded or failed. Never blocks."""
+        return self._request.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until complete; return the bytes moved, or raise this request's error (see AioRequest)."""
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self.nbytes
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Block until complete like wait(); return this request's error, or None."""
+        start = time.perf_counter()
+        try:
+            exc = self._request.exception(timeout)
+        finally:
+            self._accounting.add_wait(self.op, time.perf_counter() - start)
+        return self._settle(exc)
+
+    def __repr__(self) -> str:
+        return f"SegmentRequest({self.segment.name!r}: {self._request!r})"
+
+    def _settle(self, exc: BaseException | None) -> BaseException | None:
+        """The first observer of the outcome does the bookkeeping; later ones get the same answer."""
+        with self._lock:
+            if self._settled:
+                return self._error
+            self._settled = True
+            name = self.segment.name
+            failed_write = self.op == "write" and exc is not None and self._checksums is not None
+            if failed_write and self._checksums.get(name) == self._crc:  # the recorded sum is wrong now
+                self._checksums.pop(name, None)
+            if self.op == "read" and exc is None and self._crc is not None:
+                got = _crc32(self._tensor)
+                if got != self._crc:
+                    exc = AioError(
+                        op="read",
+                        path=self.path,
+                        offset=self.offset,
+                        errno=None,
+                        detail=(
+                            f"checksum mismatch in swap segment {name!r} ({self.nbytes} bytes): crc32 "
+                            f"{got:#010x} read, {self._crc:#010x} written. The file was changed behind the "
+                            "store or the disk returned bad data; the segment's contents are lost"
+                        ),
+                    )
+            if exc is None:
+                self._accounting.add_done(self.op, self.nbytes)
+            self._error = exc
+            self._tensor = None
+            return exc
+
+
+# ---- the files: what close(), atexit and the signal handlers remove ----
+class _Files:
+    """The folder, its lock and the swap file of one store. Kept apart from NvmeStore so cleanup can run
+    from weakref.finalize (at exit, or when a store is collected) and from the signal handlers."""
+
+    def __init__(self, run_dir: str, rank_dir: str) -> None:
+        self.run_dir = run_dir
+        self.rank_dir = rank_dir
+        self.lock_path = os.path.join(rank_dir, LOCK_NAME)
+        self.swap_path = os.path.join(rank_dir, SWAP_NAME)
+        self.lock_fd: int | None = None
+        self.swap_fd: int | None = None
+        self.owner_pid = os.getpid()
+
+    def remove(self) -> None:
+        """Remove the files and folders, then release the lock. Idempotent; each step tolerates a
+        half-done earlier attempt (a signal may interrupt close())."""
+        _live_files.discard(self)
+        if os.getpid() != self.owner_pid:
+            return  # a forked child: the parent owns the files, and the flock it shares with us
+        swap_fd, self.swap_fd = self.swap_fd, None
+        if swap_fd is not None:
+            os.close(swap_fd)
+        lock_fd, self.lock_fd = self.lock_fd, None
+        if lock_fd is None:
+            return
+        try:  # under the lock: nobody else may take this folder while it is half gone
+            _unlink_quietly(self.swap_path)
+            _unlink_quietly(self.lock_path)
+            shutil.rmtree(self.rank_dir, ignore_errors=True)
+            _rmdir_quietly(self.run_dir)  # only if empty: other ranks of the run may share it
+        finally:
+            os.close(lock_fd)
+
+
+_live_files: set[_Files] = set()
+_previous_handlers: dict[int, object] = {}
+_hooks_lock = threading.Lock()
+
+
+def _remove_all() -> None:
+    for files in list(_live_files):
+        files.remove()
+
+
+def _on_signal(signum: int, frame) -> None:
+    """Remove every open store's files, then do what the signal did before (see NvmeStore)."""
+    _remove_all()
+    previous = _previous_handlers.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action (terminate), as if we had never been here
+    os.kill(os.getpid(), signum)
+
+
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal.signal works only there; atexit and close() still clean up
+    with _hooks_lock:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signum in _previous_handlers:
+                continue
+            current = signal.getsignal(signum)
+            if current is None or current == signal.SIG_IGN:
+                continue  # set from C (unknown to us), or deliberately ignored: leave it so
+            signal.signal(signum, _on_signal)
+            _previous_handlers[signum] = current
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _rmdir_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 512, 0).decode(errors="replace")
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+    if "pid" not in fields:
+        return "unknown (empty lock file)"
+    return f"pid {fields['pid']} on host {fields.get('host', '?')}"
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def remove_stale_folders(nvme_path: str) -> list[str]:
+    """Remove the rank folders under ``nvme_path`` left by runs that are gone; return their paths.
+
+    A folder is stale when its lock can be taken (see [Note: swap folder lock]). Folders in use are left
+    alone. One log line per removed folder."""
+    removed = []
+    try:
+        runs = [e for e in os.scandir(nvme_path) if e.name.startswith(RUN_PREFIX) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed
+    for run in runs:
+        try:
+            ranks = [e for e in os.scandir(run.path) if _RANK_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for rank in ranks:
+            if _remove_if_stale(rank.path):
+                removed.append(rank.path)
+        _rmdir_quietly(run.path)  # empty: its last rank folder is gone
+    return removed
+
+
+def _remove_if_stale(rank_dir: str) -> bool:
+    lock_path = os.path.join(rank_dir, LOCK_NAME)
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            age = time.time() - os.stat(rank_dir).st_mtime
+        except OSError:
+            return False
+        if age < _LOCKLESS_GRACE_S:
+            return False  # perhaps a store making its folder right now
+        nbytes = _folder_bytes(rank_dir)
+        shutil.rmtree(rank_dir, ignore_errors=True)
+        logger.warning(
+            "removed swap folder %s (%s) of a run that died before locking it (no lock file)",
+            rank_dir,
+            _human(nbytes),
+        )
+        return True
+    except OSError:
+        return False  # unreadable: not ours to judge
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its run is alive (or flock is unsupported here: leave it be)
+        if not _same_file(fd, lock_path):
+            return False  # removed or replaced while we were locking it
+        holder = _read_holder(fd)
+        nbytes = _folder_bytes(rank_dir)
+        for entry in os.scandir(rank_dir):
+            if entry.name == LOCK_NAME:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                _unlink_quietly(entry.path)
+        _unlink_quietly(lock_path)  # last, while still holding it
+        _rmdir_quietly(rank_dir)
+    finally:
+        os.close(fd)
+    logger.warning(
+        "removed swap folder %s (%s) left by a run that is gone (%s): its lock was free",
+        rank_dir,
+        _human(nbytes),
+        holder,
+    )
+    return True
+
+
+# ---- preallocation ----
+_libc = ctypes.CDLL(None, use_errno=True)
+_fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    _fallocate.restype = ctypes.c_int
+
+
+def _preallocate(fd: int, nbytes: int, path: str) -> None:
+    """Size the file to ``nbytes`` and reserve its blocks where the filesystem can (fallocate), so a full
+    disk fails here, at open, and not in the middle of training. Else only sized (ftruncate: sparse)."""
+    if nbytes == 0:
+        return
+    if _fallocate is not None and _fallocate(fd, 0, 0, nbytes) == 0:
+        return
+    err = ctypes.get_errno() if _fallocate is not None else errno_module.ENOSYS
+    if err == errno_module.ENOSPC:
+        raise TierBudgetError(
+            f"cannot reserve {_human(nbytes)} for the swap file {path!r}: the disk is full (ENOSPC). Other ranks "
+            "or programs on this disk took the space after the free-space check; free space there or point "
+            "nvme_path at a larger disk"
+        )
+    if err not in (errno_module.EOPNOTSUPP, errno_module.ENOSYS, errno_module.EINVAL):
+        raise AioError(op="fallocate", path=path, offset=0, errno=err, detail="could not size the swap file")
+    os.ftruncate(fd, nbytes)
+
+
+# ---- the store ----
+def default_run_id() -> str:
+    """Time and pid: unique on one host. Ranks of one run must pass one id agreed among them."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def _check_nvme_path(path: str) -> None:
+    """Every way nvme_path can be unusable, found at open before anything is written."""
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"nvme_path {path!r} does not exist: create it (mkdir -p) on a local NVMe disk, or set "
+            "offload_param.nvme_path / offload_optimizer.nvme_path to a directory that exists"
+        )
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"nvme_path {path!r} is not a directory: set nvme_path to a directory on a local NVMe disk "
+            "(the store makes its own folder inside it)"
+        )
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise ConfigError(
+            f"nvme_path {path!r} is on a read-only filesystem: remount it read-write, or set nvme_path to a "
+            "directory on a writable local disk"
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"nvme_path {path!r} is not writable by this process (uid {os.getuid()}): give it write permission "
+            "(chmod u+wx, or chown to this user), or set nvme_path to a directory this user can write"
+        )
+
+
+class NvmeStore:
+    """Named segments of one rank's training state in a swap file on NVMe, moved with an AioHandle.
+
+    Use: ``store = NvmeStore(path, handle=h, rank=r, run_id=agreed)``, ``store.add(name, nbytes)`` per
+    segment (or ``segments=[(name, nbytes), ...]``), ``store.open()``; then ``write`` / ``read`` (return
+    a SegmentRequest to wait for) or ``sync_write`` / ``sync_read``; ``close()`` at the end. Also a
+    context manager (opens on enter if needed, closes on exit).
+
+    ``run_id`` names the run's folder; every rank of a run must pass the same one (the engine agrees one
+    over the process group); default: time and pid (fine for one process). ``handle`` is used, not
+    owned: close it yourself. ``checksum``: see the module docstring for what it costs.
+
+    The files go away at ``close()``, when the store is collected, at interpreter exit (atexit), and on
+    SIGINT / SIGTERM: the first store opened in the main thread installs handlers that remove every open
+    store's files and then do what the signal did before (call the previous Python handler, e.g. raise
+    KeyboardInterrupt, or restore the default action and re-send the signal). A store opened in another
+    thread installs none. After such a signal the stores are closed even if the program goes on. A store
+    never removes files from a forked child. Requests still in flight at close finish against the
+    unlinked file (Linux frees its blocks when the last descriptor closes); their results are unusable.
+    """
+
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike,
+        *,
+        handle: AioHandle,
+        rank: int = 0,
+        run_id: str | None = None,
+        segments: Iterable[tuple[str, int]] = (),
+        checksum: bool = False,
+    ) -> None:
+        if not isinstance(handle, AioHandle):
+            raise ConfigError(f"NvmeStore needs an AioHandle to move its bytes, got {type(handle).__name__}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
+        run_id = default_run_id() if run_id is None else run_id
+        if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+            raise ConfigError(
+                f"run_id {run_id!r} cannot name a folder: use 1-100 characters of letters, digits, '.', '_', '-', "
+                "starting with a letter or digit"
+            )
+        if not isinstance(checksum, bool):
+            raise ConfigError(f"checksum must be true or false, got {checksum!r}")
+        self.nvme_path = os.path.abspath(os.fspath(nvme_path))
+        self.rank = rank
+        self.run_id = run_id
+        self.checksum = checksum
+        self._handle = handle
+        run_dir = os.path.join(self.nvme_path, RUN_PREFIX + run_id)
+        self._files = _Files(run_dir, os.path.join(run_dir, f"rank{rank}"))
+        self._layout: SwapLayout | None = None
+        self._closed = False
+        self._sizes: dict[str, int] = {}
+        self._next_offset = 0
+        for name, nbytes in segments:
+            self.add(name, nbytes)
+        self._checksums: dict[str, int] | None = {} if checksum else None
+        self._accounting = _Accounting()
+        self._finalizer: weakref.finalize | None = None
+
+    # ---- where things are ----
+    @property
+    def folder(self) -> str:
+        """This rank's folder: <nvme_path>/infinity-<run id>/rank<r>."""
+        return self._files.rank_dir
+
+    @property
+    def swap_path(self) -> str:
+        return self._files.swap_path
+
+    @property
+    def lock_path(self) -> str:
+        return self._files.lock_path
+
+    @property
+    def layout(self) -> SwapLayout:
+        """The segments' places; fixed at open (before, what open would use)."""
+        return self._layout if self._layout is not None else SwapLayout.from_sizes(self._sizes.items())
+
+    @property
+    def is_open(self) -> bool:
+        return self._layout is not None and not self._closed
+
+    @property
+    def stats(self) -> StoreStats:
+        """Bytes moved and seconds waited, per direction, so far (a copy)."""
+        return self._accounting.snapshot()
+
+    # ---- setting up ----
+    def add(self, name: str, nbytes: int) -> Segment:
+        """Declare a segment of ``nbytes`` bytes. Only before open(): the layout is fixed then."""
+        if self._layout is not None or self._closed:
+            raise ConfigError(f"swap segment {name!r}: segments can only be added before the store is opened")
+        _check_segment(name, nbytes)
+        if name in self._sizes:
+            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
+        self._sizes[name] = nbytes
+        segment = Segment(name, self._next_offset, nbytes)
+        self._next_offset = segment.end
+        return segment
+
+    def open(self) -> NvmeStore:
+        """Check nvme_path and free space, remove stale folders, make and lock this rank's folder, create
+        and preallocate the swap file. Nothing is written before the checks pass."""
+        if self._closed:
+            raise ConfigError(f"the swap store at {self.folder!r} is closed; make a new NvmeStore")
+        if self._layout is not None:
+            raise ConfigError(f"the swap store at {self.folder!r} is already open")
+        _check_nvme_path(self.nvme_path)
+        remove_stale_folders(self.nvme_path)
+        layout = SwapLayout.from_sizes(self._sizes.items())
+        vfs = os.statvfs(self.nvme_path)
+        free = vfs.f_bavail * vfs.f_frsize
+        if layout.total_bytes > free:
+            raise TierBudgetError(
+                f"the NVMe swap file of rank {self.rank} needs {layout.total_bytes} bytes "
+                f"({_human(layout.total_bytes)}, {len(layout)} segments) but {self.nvme_path!r} has {free} bytes "
+                f"({_human(free)}) free: free space there, set nvme_path to a larger disk, or offload less to NVMe"
+            )
+        files = self._files
+        try:
+            self._lock_folder()
+            files.swap_fd = os.open(files.swap_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            _preallocate(files.swap_fd, layout.total_bytes, files.swap_path)
+        except BaseException:
+            files.remove()
+            raise
+        self._layout = layout
+        _live_files.add(files)
+        self._finalizer = weakref.finalize(self, files.remove)  # also runs at interpreter exit (atexit)
+        _install_signal_handlers()
+        return self
+
+    def _lock_folder(self) -> None:
+        """Make this rank's folder and take its lock (see [Note: swap folder lock])."""
+        files = self._files
+        deadline = time.monotonic() + _LOCK_BUSY_WAIT_S
+        for _attempt in range(100):
+            try:  # mkdir, not makedirs: never create nvme_path itself
+                for folder in (files.run_dir, files.rank_dir):
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, 0o755)
+                fd = os.open(files.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if not os.path.isdir(self.nvme_path):
+                    _check_nvme_path(self.nvme_path)
+                continue  # a scan removed the run folder between two calls: make it again
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot create the swap folder {files.rank_dir!r}: {os.strerror(e.errno)}; check that "
+                    "nvme_path is writable by this user"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise ConfigError(
+                    f"the swap folder {files.rank_dir!r} is in use by a live process ({holder}): two stores with "
+                    f"run id {self.run_id!r} and rank {self.rank}. Give each run its own run id"
+                ) from None
+            if not _same_file(fd, files.lock_path):
+                os.close(fd)  # a scan removed it after we opened it: start over
+                continue
+            files.lock_fd = fd
+            break
+        else:
+            raise ConfigError(
+                f"could not make and lock the swap folder {files.rank_dir!r}: something keeps removing it; "
+                "is another program cleaning nvme_path?"
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}\nhost {socket.gethostname()}\nrun {self.run_id}\n".encode(), 0)
+        for entry in os.scandir(files.rank_dir):  # a dead holder's leftovers (we hold the lock now)
+            if entry.name != LOCK_NAME:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    _unlink_quietly(entry.path)
+
+    # ---- I/O ----
+    def write(self, name: str, tensor: torch.Tensor) -> SegmentRequest:
+        """Queue a write of ``tensor`` (exactly the segment's size) into segment ``name``. Do not change the
+        tensor until the request is complete."""
+        segment = self._segment(name, tensor)
+        crc = None
+        if self._checksums is not None:
+            crc = _crc32(tensor)
+            self._checksums[name] = crc  # reads from now on expect these bytes; a failed write drops it
+        request = self._handle.submit_pwrite(tensor, self.swap_path, segment.offset)
+        return self._wrap(segment, request, tensor, crc)
+
+    def read(self, name: str, tensor: torch.Tensor) -> SegmentRequest:
+        """Queue a read of segment ``name`` into ``tensor`` (exactly the segment's size). A swap file that is
+        missing, replaced or shorter than at open raises AioError here, before anything is queued."""
+        segment = self._segment(name, tensor)
+        self._check_swap_file(segment)
+        crc = self._checksums.get(name) if self._checksums is not None else None
+        request = self._handle.submit_pread(tensor, self.swap_path, segment.offset)
+        return self._wrap(segment, request, tensor, crc)
+
+    def sync_write(self, name: str, tensor: torch.Tensor) -> int:
+        """write() and wait: returns the bytes written."""
+        return self.write(name, tensor).wait()
+
+    def sync_read(self, name: str, tensor: torch.Tensor) -> int:
+        """read() and wait: returns the bytes read."""
+        return self.read(name, tensor).wait()
+
+    def _wrap(self, segment: Segment, request: AioRequest, tensor: torch.Tensor, crc: int | None) -> SegmentRequest:
+        return SegmentRequest(
+            segment=segment,
+            request=request,
+            accounting=self._accounting,
+            tensor=tensor,
+            crc=crc,
+            checksums=self._checksums,
+        )
+
+    def _segment(self, name: str, tensor: torch.Tensor) -> Segment:
+        if not self.is_open:
+            state = "closed" if self._closed else "not open yet (call open())"
+            raise ConfigError(f"swap segment {name!r}: the swap store at {self.folder!r} is {state}")
+        try:
+            segment = self._layout[name]
+        except KeyError:
+            known = ", ".join(repr(s.name) for s in list(self._layout)[:5])
+            more = f" and {len(self._layout) - 5} more" if len(self._layout) > 5 else ""
+            raise ConfigError(
+                f"no swap segment {name!r} in the store at {self.folder!r} (it has {known or 'none'}{more}); "
+                "add every segment before open()"
+            ) from None
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidTensorError(f"swap segment {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes != segment.nbytes:
+            raise InvalidTensorError(
+                f"swap segment {name!r} holds {segment.nbytes} bytes but the tensor has {nbytes} "
+                f"(shape {tuple(tensor.shape)}, {tensor.dtype}): pass a tensor of exactly the segment's size"
+            )
+        return segment
+
+    def _check_swap_file(self, segment: Segment) -> None:
+        """Fail loudly, naming the file, rather than read short or read someone else's bytes."""
+        path, expected = self.swap_path, self._layout.total_bytes
+        try:
+            on_disk = os.stat(path)
+        except FileNotFoundError:
+            raise AioError(
+                op="read",
+                path=path,
+                offset=segment.offset,
+                errno=errno_module.ENOENT,
+                detail=(
+                    f"the swap file of segment {segment.name!r} was deleted while the store was open (a cleanup "
+                    "job? a program sharing nvme_path?); its contents are lost: restart from a checkpoint"
+                ),
+            ) from None
+        held = os.fstat(self._files.swap_fd)
+        if (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino):
+            raise AioError(
+                op="read",
+                path=path,
+                offset=segment.offset,
+                errno=None,
+                detail=(
+                    f"the swap file of segment {segment.name!r} was replaced by another file while the store was "
+                    "open; its contents are lost: restart from a checkpoint"
+                ),
+            )
+        if on_disk.st_size < expected:
+            raise ShortTransferError(
+                op="read",
+                path=path,
+                offset=segment.offset,
+                errno=None,
+                detail=(
+                    f"the swap file has {on_disk.st_size} bytes but was sized to {expected} at open: it was "
+                    f"truncated, so segment {segment.name!r} and those after it may be lost; restart from a checkpoint"
+                ),
+            )
+
+    # ---- teardown ----
+    def close(self) -> None:
+        """Remove the swap file and this rank's folder (and the run's folder once empty), release the lock.
+        Idempotent. The handle stays open: it is the caller's."""
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()  # runs files.remove once
+        else:
+            self._files.remove()
+
+    def __enter__(self) -> NvmeStore:
+        if self._layout is None:
+            self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self.is_open else ("closed" if self._closed else "not open")
+        return f"NvmeStore({self.folder!r}, {len(self._sizes)} segments, {state})"

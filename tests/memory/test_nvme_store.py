@@ -1,0 +1,400 @@
+"""NvmeStore on the real disk (pytest's tmp_path): layout, direct I/O, run folders and their locks, the
+checks at open and before reads, cleanup at close, at exit and on signals. Other processes are real
+subprocesses (a crashed run is one killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinity.aio import AioHandle, DirectIOFallbackWarning
+from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
+from infinity.memory import NvmeStore, SwapLayout
+from tests.conftest import MiB, as_bytes, random_tensor
+
+REPO = Path(__file__).resolve().parents[2]
+ODD_SIZES = [("one", 1), ("page_less_one", 4095), ("page", 4096), ("page_plus_one", 4097), ("odd", 12345),
+             ("big", 3 * MiB + 7)]  # fmt: skip
+
+
+@pytest.fixture
+def handle():
+    with AioHandle(intra_op_parallelism=2) as h:
+        yield h
+
+
+def tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# ---- subprocesses ----
+CHILD_OPENS_STORE = """
+import os, signal, sys, time
+import torch
+from infinity.aio import AioHandle
+from infinity.memory import NvmeStore
+store = NvmeStore(sys.argv[1], handle=AioHandle(), run_id=sys.argv[2], segments=[("s", 10000)])
+store.open()
+store.sync_write("s", torch.ones(10000, dtype=torch.uint8))
+"""
+
+
+def spawn(nvme_path: Path, run_id: str, tail: str) -> subprocess.Popen:
+    code = CHILD_OPENS_STORE + textwrap.dedent(tail)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(nvme_path), run_id],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_ready(proc: subprocess.Popen) -> None:
+    line = proc.stdout.readline()
+    if line.strip() != "ready":
+        proc.kill()
+        raise AssertionError(f"child did not get ready: {line!r} {proc.communicate()[1]}")
+
+
+# ---- round trip and layout ----
+@pytest.mark.parametrize("checksum", [False, True])
+def test_round_trip_of_odd_sized_segments_is_byte_exact(tmp_path, handle, checksum):
+    store = NvmeStore(tmp_path, handle=handle, run_id="rt", checksum=checksum)
+    sources = {}
+    for name, nbytes in ODD_SIZES:
+        dtype = torch.bfloat16 if nbytes % 2 == 0 else torch.uint8  # any dtype: only bytes count
+        sources[name] = random_tensor(nbytes // torch.empty((), dtype=dtype).element_size(), dtype, seed=nbytes)
+        store.add(name, nbytes)
+    with store:
+        writes = [store.write(name, tensor) for name, tensor in sources.items()]  # all in flight at once
+        assert [w.wait() for w in writes] == [nbytes for _, nbytes in ODD_SIZES]
+        targets = {name: torch.zeros_like(t) for name, t in sources.items()}
+        reads = [store.read(name, targets[name]) for name in reversed(list(sources))]
+        for request in reads:
+            request.wait()
+            assert request.done()
+        for name in sources:
+            assert as_bytes(targets[name]) == as_bytes(sources[name]), name
+        total = sum(nbytes for _, nbytes in ODD_SIZES)
+        stats = store.stats
+        assert (stats.write.bytes, stats.write.requests) == (total, len(ODD_SIZES))
+        assert (stats.read.bytes, stats.read.requests) == (total, len(ODD_SIZES))
+        assert stats.read.wait_s > 0 and stats.write.wait_s > 0
+        one = torch.empty(1, dtype=torch.uint8)
+        assert store.sync_read("one", one) == 1 and as_bytes(one) == as_bytes(sources["one"])
+        assert store.stats.read.requests == len(ODD_SIZES) + 1
+
+
+def test_segments_are_4k_aligned_and_padded_and_the_file_is_preallocated(tmp_path, handle):
+    layout = SwapLayout.from_sizes(ODD_SIZES)
+    end = 0
+    for segment in layout:
+        assert segment.offset % 4096 == 0 and segment.padded_nbytes % 4096 == 0
+        assert segment.offset >= end and segment.padded_nbytes >= segment.nbytes > segment.padded_nbytes - 4096
+        end = segment.end
+    assert layout.total_bytes == end == sum(-(-n // 4096) * 4096 for _, n in ODD_SIZES)
+    with NvmeStore(tmp_path, handle=handle, segments=ODD_SIZES) as store:
+        assert [s.offset for s in store.layout] == [s.offset for s in layout]
+        info = os.stat(store.swap_path)
+        assert info.st_size == layout.total_bytes
+        assert info.st_blocks * 512 >= layout.total_bytes  # blocks reserved (fallocate), not a sparse file
+        assert sorted(os.listdir(store.folder)) == ["lock", "swap"]
+        assert store.folder == str(tmp_path / f"infinity-{store.run_id}" / "rank0")
+        assert f"pid {os.getpid()}" in Path(store.lock_path).read_text()
+
+
+def resident_pages(path: str, offset: int, length: int) -> int:
+    """How many pages of path[offset:offset+length] are in the page cache (mincore on a mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+        if address in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap")
+        pages = (ctypes.c_ubyte * (length // mmap.PAGESIZE))()
+        try:
+            if libc.mincore(address, length, pages) != 0:
+                raise OSError(ctypes.get_errno(), "mincore")
+        finally:
+            libc.munmap(address, length)
+        return sum(p & 1 for p in pages)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_io_is_used_for_every_aligned_page(tmp_path, direct):
+    """Direct I/O bypasses the page cache: after a write and a read, none of the segment's 4 KiB pages are
+    cached. The buffered run (use_direct_io=False) shows the measure sees the difference."""
+    size = 2 * MiB + 100  # the last 100 bytes go through pwrite by design
+    source = random_tensor(size, seed=3)
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        AioHandle(use_direct_io=direct) as handle,
+        NvmeStore(tmp_path, handle=handle, segments=[("pad", 100), ("seg", size)]) as store,
+    ):
+        warnings.simplefilter("always")
+        segment = store.layout["seg"]
+        store.sync_write("seg", source)
+        after_write = resident_pages(store.swap_path, segment.offset, 2 * MiB)
+        target = torch.empty_like(source)
+        store.sync_read("seg", target)
+        after_read = resident_pages(store.swap_path, segment.offset, 2 * MiB)
+        assert as_bytes(target) == as_bytes(source)
+    assert not [w for w in caught if issubclass(w.category, DirectIOFallbackWarning)]
+    if direct:
+        assert (after_write, after_read) == (0, 0)
+    else:
+        assert after_read == 2 * MiB // mmap.PAGESIZE
+
+
+# ---- run folders and locks ----
+def test_crashed_run_folder_is_removed_and_live_one_kept(tmp_path, handle, caplog):
+    live = spawn(tmp_path, "live", 'print("ready", flush=True); time.sleep(120)')
+    try:
+        wait_ready(live)  # before the crash: the live run's own open would remove the crashed folder
+        crashed = spawn(tmp_path, "crashed", "os.kill(os.getpid(), signal.SIGKILL)")  # no cleanup at all
+        assert crashed.wait(timeout=60) == -signal.SIGKILL
+        crashed_folder = tmp_path / "infinity-crashed" / "rank0"
+        assert sorted(os.listdir(crashed_folder)) == ["lock", "swap"]
+        live_files = tree(tmp_path / "infinity-live")
+        with caplog.at_level(logging.WARNING, logger="infinity"), NvmeStore(tmp_path, handle=handle, run_id="mine"):
+            assert not (tmp_path / "infinity-crashed").exists()
+            assert tree(tmp_path / "infinity-live") == live_files == ["rank0", "rank0/lock", "rank0/swap"]
+            with pytest.raises(ConfigError, match=rf"in use by a live process \(pid {live.pid} on host"):
+                NvmeStore(tmp_path, handle=handle, run_id="live").open()  # same run id and rank: refused
+            assert tree(tmp_path / "infinity-live") == live_files  # and untouched
+        lines = [r.getMessage() for r in caplog.records if r.name == "infinity"]
+        assert len(lines) == 1, lines
+        assert str(crashed_folder) in lines[0] and f"pid {crashed.pid}" in lines[0]
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_lockless_folder_is_removed_only_once_old(tmp_path, handle, caplog):
+    young = tmp_path / "infinity-young" / "rank0"
+    old = tmp_path / "infinity-old" / "rank3"
+    for folder in (young, old):
+        folder.mkdir(parents=True)
+        (folder / "swap").write_bytes(b"x" * 10)
+    os.utime(old, (0, 0))
+    with caplog.at_level(logging.WARNING, logger="infinity"), NvmeStore(tmp_path, handle=handle, run_id="now"):
+        assert young.exists() and not (tmp_path / "infinity-old").exists()
+    assert [str(old) in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_two_runs_coexist_and_ranks_share_the_run_folder(tmp_path, handle):
+    a = NvmeStore(tmp_path, handle=handle, run_id="run-a", segments=[("s", 5000)]).open()
+    b = NvmeStore(tmp_path, handle=handle, run_id="run-b", segments=[("s", 5000)]).open()
+    b1 = NvmeStore(tmp_path, handle=handle, run_id="run-b", rank=1, segments=[("s", 5000)]).open()
+    data = {store: random_tensor(5000, seed=i) for i, store in enumerate((a, b, b1))}
+    for store, tensor in data.items():
+        store.sync_write("s", tensor)
+    for store, tensor in data.items():
+        target = torch.empty_like(tensor)
+        store.sync_read("s", target)
+        assert as_bytes(target) == as_bytes(tensor)
+    assert len({a.swap_path, b.swap_path, b1.swap_path}) == 3
+    b.close()
+    assert tree(tmp_path / "infinity-run-b") == ["rank1", "rank1/lock", "rank1/swap"]  # rank 1 still there
+    b1.close()
+    a.close()
+    assert tree(tmp_path) == []
+
+
+def test_default_run_ids_differ_per_process_and_bad_ones_are_refused(tmp_path, handle):
+    assert str(os.getpid()) in NvmeStore(tmp_path, handle=handle).run_id
+    for bad in ("", "../up", "a/b", ".hidden", "x" * 101):
+        with pytest.raises(ConfigError, match="run_id"):
+            NvmeStore(tmp_path, handle=handle, run_id=bad)
+
+
+# ---- checks at open ----
+def test_free_space_is_checked_before_anything_is_written(tmp_path, handle):
+    vfs = os.statvfs(tmp_path)
+    free = vfs.f_bavail * vfs.f_frsize
+    need = free + (1 << 30)
+    store = NvmeStore(tmp_path, handle=handle, run_id="big", segments=[("huge", need - 4096), ("small", 10)])
+    with pytest.raises(TierBudgetError) as info:
+        store.open()
+    message = str(info.value)
+    assert f"needs {need} bytes" in message and repr(str(tmp_path)) in message
+    reported_free = int(re.search(r"has (\d+) bytes", message).group(1))
+    assert abs(reported_free - free) < (1 << 30)  # others may write meanwhile
+    assert tree(tmp_path) == []
+
+
+def test_missing_nvme_path(tmp_path, handle):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=rf"nvme_path '{re.escape(str(missing))}' does not exist: create it"):
+        NvmeStore(missing, handle=handle).open()
+    assert not missing.exists()
+
+
+def test_nvme_path_that_is_a_file(tmp_path, handle):
+    file = tmp_path / "file"
+    file.write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"nvme_path '{re.escape(str(file))}' is not a directory"):
+        NvmeStore(file, handle=handle).open()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_read_only_nvme_path(tmp_path, handle):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    try:
+        with pytest.raises(ConfigError, match=rf"'{re.escape(str(folder))}' is not writable .* chmod"):
+            NvmeStore(folder, handle=handle).open()
+    finally:
+        folder.chmod(0o700)
+
+
+# ---- checks at read and write ----
+@pytest.mark.parametrize("damage", ["truncated", "deleted", "replaced"])
+def test_damaged_swap_file_fails_the_read_naming_it(tmp_path, handle, damage):
+    store = NvmeStore(tmp_path, handle=handle, segments=[("a", 10000), ("b", 10000)]).open()
+    try:
+        store.sync_write("a", random_tensor(10000))
+        store.sync_write("b", random_tensor(10000, seed=1))
+        if damage == "truncated":
+            os.truncate(store.swap_path, store.layout["b"].offset + 5000)
+            expected, pattern = ShortTransferError, "was truncated"
+        elif damage == "deleted":
+            os.unlink(store.swap_path)
+            expected, pattern = AioError, "was deleted"
+        else:
+            os.unlink(store.swap_path)
+            Path(store.swap_path).write_bytes(b"\0" * store.layout.total_bytes)
+            expected, pattern = AioError, "was replaced"
+        for name in ("a", "b"):  # a truncation past "a" still fails "a": the whole file is checked
+            with pytest.raises(expected, match=pattern) as info:
+                store.read(name, torch.empty(10000, dtype=torch.uint8))
+            assert info.value.path == store.swap_path and store.swap_path in str(info.value)
+            assert name in str(info.value)
+        if damage == "deleted":
+            assert info.value.errno == errno.ENOENT
+    finally:
+        store.close()
+    assert tree(tmp_path) == []
+
+
+def test_wrong_tensor_size_or_unknown_segment_is_named(tmp_path, handle):
+    with NvmeStore(tmp_path, handle=handle, segments=[("weights", 4000)]) as store:
+        with pytest.raises(InvalidTensorError, match=r"segment 'weights' holds 4000 bytes but the tensor has 4004"):
+            store.write("weights", torch.empty(1001, dtype=torch.float32))
+        with pytest.raises(InvalidTensorError, match="'weights' holds 4000 bytes but the tensor has 2000"):
+            store.read("weights", torch.empty(1000, dtype=torch.float16))
+        with pytest.raises(ConfigError, match=r"no swap segment 'bias' .* \(it has 'weights'\)"):
+            store.read("bias", torch.empty(4000, dtype=torch.uint8))
+        with pytest.raises(ConfigError, match="before the store is opened"):
+            store.add("late", 10)
+        assert store.stats.write.requests == 0
+
+
+def test_checksum_catches_bytes_changed_behind_the_store(tmp_path, handle):
+    source = random_tensor(50000, seed=9)
+    for checksum in (True, False):
+        store = NvmeStore(tmp_path, handle=handle, run_id=f"crc-{checksum}", segments=[("s", 50000)], checksum=checksum)
+        with store:
+            store.sync_write("s", source)
+            fd = os.open(store.swap_path, os.O_WRONLY)
+            os.pwrite(fd, bytes([as_bytes(source)[12345] ^ 0xFF]), 12345)
+            os.close(fd)
+            target = torch.empty_like(source)
+            if checksum:
+                request = store.read("s", target)
+                with pytest.raises(AioError, match="checksum mismatch in swap segment 's'") as info:
+                    request.wait()
+                assert info.value.path == store.swap_path
+                assert request.exception() is info.value  # the same answer when asked again
+                assert store.stats.read.requests == 0
+                store.sync_write("s", source)  # a fresh write makes it readable again
+                store.sync_read("s", target)
+                assert as_bytes(target) == as_bytes(source)
+            else:  # off by default: the changed byte comes back silently
+                store.sync_read("s", target)
+                assert as_bytes(target) != as_bytes(source)
+
+
+# ---- cleanup ----
+def test_close_removes_everything_and_is_idempotent(tmp_path, handle):
+    store = NvmeStore(tmp_path, handle=handle, segments=[("s", 4096)]).open()
+    store.sync_write("s", random_tensor(4096))
+    folder = Path(store.folder)
+    assert folder.is_dir()
+    store.close()
+    assert tree(tmp_path) == []
+    store.close()
+    assert tree(tmp_path) == []
+    with pytest.raises(ConfigError, match="is closed"):
+        store.read("s", torch.empty(4096, dtype=torch.uint8))
+    with pytest.raises(ConfigError, match="is closed"):
+        store.open()
+    # the lock is released: another store can take the same folder at once
+    with NvmeStore(tmp_path, handle=handle, run_id=store.run_id):
+        assert folder.is_dir()
+    assert tree(tmp_path) == []
+
+
+def test_exit_without_close_leaves_no_files(tmp_path):
+    child = spawn(tmp_path, "exits", 'print("ready", flush=True)')
+    wait_ready(child)
+    assert child.wait(timeout=60) == 0, child.stderr.read()
+    assert tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_leaves_no_files_and_keeps_the_default_behaviour(tmp_path, signum):
+    """SIGTERM: only the store's handler can clean up (the default action skips atexit). SIGINT: the
+    handler cleans up before KeyboardInterrupt; the exit hook would too, so this checks the outcome."""
+    child = spawn(tmp_path, "signalled", 'print("ready", flush=True); time.sleep(120)')
+    wait_ready(child)
+    assert tree(tmp_path) == ["infinity-signalled", "infinity-signalled/rank0"] + [
+        f"infinity-signalled/rank0/{n}" for n in ("lock", "swap")
+    ]
+    child.send_signal(signum)
+    rc = child.wait(timeout=60)
+    if signum == signal.SIGTERM:
+        assert rc == -signal.SIGTERM  # killed by the signal, as without the store
+    else:
+        # Python's own SIGINT behaviour: KeyboardInterrupt, and an exit that re-raises SIGINT
+        assert rc == -signal.SIGINT and "KeyboardInterrupt" in child.stderr.read()
+    assert tree(tmp_path) == []
+
+
+def test_signal_chains_to_the_previous_handler(tmp_path):
+    tail = """
+    print("ready", flush=True)
+    time.sleep(120)
+    """
+    code_head = "import signal, os\nsignal.signal(signal.SIGTERM, lambda s, f: os._exit(7))\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code_head + CHILD_OPENS_STORE + textwrap.dedent(tail), str(tmp_path), "chained"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(child)
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 7  # the program's own handler ran (after the store's cleanup)
+    assert tree(tmp_path) == []
