@@ -600,11 +600,6 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    if zero.offload_optimizer.device == "nvme":
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device nvme is not implemented in this version of infinity yet; "
-            "use device cpu"
-        )
     if zero.offload_param.enabled:
         raise ConfigError(
             f"zero_optimization.offload_param.device {zero.offload_param.device!r} is not implemented in this "

@@ -24,11 +24,13 @@ from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
+from infinity.memory.offload import optimizer_tiers, tile_numel
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
-from infinity.zero.optimizer import UnitOptimizer, ZeroOptimizer
+from infinity.zero.optimizer import Offload, UnitOptimizer, ZeroOptimizer
 from infinity.zero.stage3 import Stage3, setup_stage3
+from infinity.zero.tiles import rule_for
 
 logger = logging.getLogger("infinity")
 
@@ -210,7 +212,7 @@ class Engine(nn.Module):
         else:
             raise ConfigError('no optimizer: pass optimizer= to initialize() or add an "optimizer" section')
         self.stage3: Stage3 | None = None
-        offload = zero.offload_optimizer.enabled
+        offload = self._optimizer_offload(torch_optimizer)
         if zero.stage == 3:
             self.stage3, shard_fp32 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
@@ -231,6 +233,13 @@ class Engine(nn.Module):
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
         self.optimizer = self.zero_optimizer
+        if self.zero_optimizer.tiled is not None and self.comm.rank == 0:
+            tiled = self.zero_optimizer.tiled
+            logger.info(
+                "optimizer offloaded to %s: %d tiles of <= %d elements; rank 0 holds %s",
+                zero.offload_optimizer.device, len(tiled.tiles), max(t.numel for t in tiled.tiles),
+                tiled.manager.describe(),
+            )  # fmt: skip
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         if self.config.scheduler is not None:
@@ -247,6 +256,26 @@ class Engine(nn.Module):
         self._step_started = time.perf_counter()
         self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
+
+    def _optimizer_offload(self, optimizer: torch.optim.Optimizer) -> Offload | None:
+        spec = self.config.zero.offload_optimizer
+        if not spec.enabled:
+            return None
+        width = 1 + len(rule_for(optimizer).states)  # also refuses an optimizer offload cannot run
+        nvme = spec.device == "nvme"
+        manager, home = optimizer_tiers(self.config.zero, self.config.aio, self.comm)
+        return Offload(
+            manager=manager,
+            home=home,
+            tile_numel=tile_numel(self.config.zero, state_width=width, nvme=nvme),
+            pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
+            pipeline_write=spec.pipeline_write or not nvme,
+        )
+
+    def tier_stats(self) -> dict:
+        """Bytes per tier and the NVMe traffic so far (bytes, requests, seconds blocked waiting), this rank."""
+        tiled = self.zero_optimizer.tiled
+        return tiled.manager.stats().as_dict() if tiled is not None else {}
 
     # ---- DeepSpeed's getters ----
     def train_batch_size(self) -> int:
@@ -304,6 +333,8 @@ class Engine(nn.Module):
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
         self.zero_optimizer.reducer.finish_backward()
+        if self.is_gradient_accumulation_boundary():
+            self.zero_optimizer.prefetch_states()  # the step's first reads run while the caller gets to step()
         self._phase_seconds["backward"] += time.perf_counter() - start
         return loss
 
@@ -349,6 +380,14 @@ class Engine(nn.Module):
             logger.info(
                 "time per step: forward %.3g s, backward (with gradient reduction) %.3g s, optimizer step %.3g s",
                 per_step["forward"], per_step["backward"], per_step["step"],
+            )  # fmt: skip
+        tiled = self.zero_optimizer.tiled
+        if tiled is not None and tiled.manager.store is not None:
+            window = tiled.manager.window()
+            read, write = window["nvme_read"], window["nvme_write"]
+            logger.info(
+                "NVMe optimizer states, last %d steps: read %.2f GB (%.3f s blocked), wrote %.2f GB (%.3f s blocked)",
+                self.config.steps_per_print, read.bytes / 1e9, read.blocked_s, write.bytes / 1e9, write.blocked_s,
             )  # fmt: skip
         if self.stage3 is not None:
             stats = self._fetch_stats

@@ -19,12 +19,25 @@ import torch
 from torch import nn
 
 from infinity.errors import ConfigError
+from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.partition import Bucket, GroupLayout, ParamSlot, overlap, plan
 from infinity.zero.reducer import GradientReducer
+from infinity.zero.tiles import Tile, TiledStep, TileTarget, cut, rule_for
 from infinity.zero.units import Unit, UnitTable
 from infinity.zero.unused import reachable_leaves
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Where the optimizer's masters and states live when offloaded ([Note: tiles] in tiles.py)."""
+
+    manager: TierManager
+    home: Tier  # HOST or NVME
+    tile_numel: int
+    pipeline_read: bool
+    pipeline_write: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +59,24 @@ class PartitionedOptimizer:
     reducer: GradientReducer
     _hooks: list
     _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
+    tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
+
+    def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, targets) -> TiledStep:
+        rule = rule_for(optimizer)  # before any work: an unsupported optimizer is a ConfigError
+        tiled = TiledStep(
+            tiles=cut(runs, offload.tile_numel), rule=rule, manager=offload.manager, home=offload.home,
+            targets=targets, groups=len(optimizer.param_groups), pipeline_read=offload.pipeline_read,
+            pipeline_write=offload.pipeline_write,
+        )  # fmt: skip
+        for group in optimizer.param_groups:
+            group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters
+        optimizer.state.clear()
+        return tiled
+
+    def prefetch_states(self) -> None:
+        """At the end of the boundary's backward: start reading the first tiles of the step."""
+        if self.tiled is not None:
+            self.tiled.prefetch()
 
     # ---- backward ----
     def begin_backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
@@ -83,12 +114,15 @@ class PartitionedOptimizer:
             if coefficient < 1.0:
                 for grad in self.grad_shards:
                     grad.mul_(coefficient)
-        for master, grad in zip(self.masters, self.grad_shards, strict=True):
-            master.grad = grad
-        self.optimizer.step()
-        for master in self.masters:
-            master.grad = None
-        self._publish_weights()
+        if self.tiled is not None:
+            self._step_tiles()
+        else:
+            for master, grad in zip(self.masters, self.grad_shards, strict=True):
+                master.grad = grad
+            self.optimizer.step()
+            for master in self.masters:
+                master.grad = None
+            self._publish_weights()
         self.zero_grad()
         return StepResult(stepped=True, grad_norm=norm)
 
@@ -96,6 +130,14 @@ class PartitionedOptimizer:
         """Brings the reduced gradients into grad_shards (stages 0-2 reduce straight into them)."""
 
     def _publish_weights(self) -> None:
+        raise NotImplementedError
+
+    def _step_tiles(self) -> None:
+        raise NotImplementedError
+
+    def fp32_shards(self) -> list[torch.Tensor]:
+        """This rank's fp32 masters, as new host tensors: per param group its shard (stages 0-2), or the whole flat
+        shard with the masters in place (stage 3). Reads the tiles when offloaded (for checkpoints, tests)."""
         raise NotImplementedError
 
     def _overflow_anywhere(self) -> bool:
@@ -119,6 +161,8 @@ class PartitionedOptimizer:
     # ---- accounting ----
     def state_bytes(self) -> int:
         """Bytes this rank holds for the optimizer: fp32 masters plus every optimizer state tensor."""
+        if self.tiled is not None:
+            return self.tiled.state_bytes()
         total = sum(m.numel() * m.element_size() for m in self.masters)
         for state in self.optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -136,6 +180,8 @@ class PartitionedOptimizer:
             hook.remove()
         self._hooks.clear()
         self._no_grad_marks.clear()
+        if self.tiled is not None:
+            self.tiled.close()
 
 
 def _drop_grad(then: Callable[[], None] | None):
@@ -160,17 +206,16 @@ class ZeroOptimizer(PartitionedOptimizer):
         device: torch.device,
         bucket_numel: int,
         overlap_comm: bool,
-        offload: bool,
+        offload: Offload | None,
         frozen: list[nn.Parameter],
     ) -> None:
         """``frozen``: the model's parameters that are not in the optimizer; they are cast to the compute dtype
-        and never updated."""
+        and never updated. ``offload``: the masters and states go to tiles in host memory or on NVMe."""
         self.optimizer = optimizer
         self.comm = comm
         self.stage = stage
         self.compute_dtype = compute_dtype
         self.device = device
-        self.master_device = torch.device("cpu") if offload else device
         shard_world = 1 if stage == 0 else comm.world_size
         self.shard_rank = 0 if stage == 0 else comm.rank
         self.groups: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
@@ -180,11 +225,17 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.weights: list[list[torch.Tensor]] = []  # [group][bucket] -> (padded_numel,) compute dtype
         self.masters: list[nn.Parameter] = []
         self.grad_shards: list[torch.Tensor] = []
+        if offload is not None:
+            runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
+                    for b in layout.buckets]  # fmt: skip
+            self.tiled = self._make_tiled(optimizer, runs, offload, self._tile_target)
+            self._last_tile = {(t.group, t.piece): t.index for t in self.tiled.tiles}
         for params, layout in zip(self.groups, self.layouts, strict=True):
             self._flatten_group(params, layout)
-        for group, master in zip(optimizer.param_groups, self.masters, strict=True):
-            group["params"] = [master]
-        optimizer.state.clear()
+        if self.tiled is None:
+            for group, master in zip(optimizer.param_groups, self.masters, strict=True):
+                group["params"] = [master]
+            optimizer.state.clear()
         self.reducer = GradientReducer(
             comm=comm, stage=stage, layouts=self.layouts, grad_shards=self.grad_shards, shard_rank=self.shard_rank,
             device=device, overlap_comm=overlap_comm,
@@ -205,8 +256,9 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     # ---- construction ----
     def _flatten_group(self, params: list[nn.Parameter], layout: GroupLayout) -> None:
-        """Params become views into per-bucket flat weights; this rank's fp32 master pieces are copied out."""
-        master = torch.empty(layout.shard_numel, dtype=torch.float32, device=self.master_device)
+        """Params become views into per-bucket flat weights; this rank's fp32 master pieces are copied out (into
+        the tiles when offloaded: never a whole fp32 shard in memory then)."""
+        master = torch.empty(0 if self.tiled else layout.shard_numel, dtype=torch.float32, device=self.device)
         weights = []
         for bucket in layout.buckets:
             flat = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=self.device)
@@ -215,15 +267,53 @@ class ZeroOptimizer(PartitionedOptimizer):
             # Every rank starts from rank 0's weights, as DeepSpeed broadcasts the model at initialization.
             collectives.broadcast_(self.comm, flat, src=0)
             start, end = bucket.piece_range(self.shard_rank)
-            master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel].copy_(flat[start:end])
+            if self.tiled is not None:
+                for tile in self.tiled.tiles_of(layout.group, bucket.index):
+                    first = start + tile.start - bucket.shard_offset
+                    self.tiled.initialize(tile, flat[first : first + tile.numel])
+            else:
+                master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel].copy_(flat[start:end])
             flat = flat.to(self.compute_dtype)
             for slot in bucket.slots:
                 param = params[slot.param_index]
                 param.data = flat[slot.offset : slot.offset + slot.numel].view(param.shape)
             weights.append(flat)
         self.weights.append(weights)
-        self.masters.append(nn.Parameter(master))
-        self.grad_shards.append(torch.zeros_like(master))
+        if self.tiled is None:
+            self.masters.append(nn.Parameter(master))
+        self.grad_shards.append(torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device))
+
+    def _piece_view(self, tile: Tile) -> torch.Tensor:
+        """The tile's elements in its bucket's compute-dtype flat weights."""
+        bucket = self.layouts[tile.group].buckets[tile.piece]
+        first = bucket.piece_range(self.shard_rank)[0] + tile.start - bucket.shard_offset
+        return self.weights[tile.group][tile.piece][first : first + tile.numel]
+
+    def _tile_target(self, tile: Tile) -> TileTarget:
+        return TileTarget(grad=self.grad_shards[tile.group][tile.start : tile.start + tile.numel],
+                          weight=self._piece_view(tile))  # fmt: skip
+
+    def _step_tiles(self) -> None:
+        """Each bucket is all-gathered as soon as its last tile has stepped, behind the following tiles."""
+        pending = []
+
+        def on_tile(tile: Tile) -> None:
+            if tile.index == self._last_tile[(tile.group, tile.piece)] and self.comm.active:
+                bucket = self.layouts[tile.group].buckets[tile.piece]
+                flat = self.weights[tile.group][tile.piece]
+                start, end = bucket.piece_range(self.shard_rank)
+                pending.append(collectives.all_gather_pieces(self.comm, flat, flat[start:end].clone(), async_op=True))
+
+        self.tiled.step(self.optimizer.param_groups, on_tile)
+        for item in pending:
+            item.wait()
+
+    def fp32_shards(self) -> list[torch.Tensor]:
+        if self.tiled is None:
+            return [master.detach().float().cpu().clone() for master in self.masters]
+        shards = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in self.layouts]
+        self.tiled.read_masters(lambda tile: shards[tile.group][tile.start : tile.start + tile.numel])
+        return shards
 
     def _make_hook(self, state_index: int, offset: int):
         reducer = self.reducer
@@ -267,7 +357,7 @@ class UnitOptimizer(PartitionedOptimizer):
         compute_dtype: torch.dtype,
         device: torch.device,
         overlap_comm: bool,
-        offload: bool,
+        offload: Offload | None,
         on_param_grad: Callable[[int], None],
     ) -> None:
         """``on_param_grad(unit)``: a parameter of the unit has its gradient, or gets none this backward (the
@@ -278,7 +368,6 @@ class UnitOptimizer(PartitionedOptimizer):
         self.device = device
         self.table = table
         self.compute_dtype = compute_dtype
-        master_device = torch.device("cpu") if offload else device
         groups = [list(g["params"]) for g in optimizer.param_groups]
         expected = [0] * len(table.units)
         owner: dict[int, int] = {}
@@ -295,13 +384,20 @@ class UnitOptimizer(PartitionedOptimizer):
                 expected[unit.index] += 1
                 positions.append(_piece_positions(unit.bucket, unit.bucket.slots[position], comm.rank))
             self._index.append(torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long))
-        self._index_master = [index.to(master_device) for index in self._index]
-        self.masters = [nn.Parameter(shard_fp32.to(master_device)[index]) for index in self._index_master]
-        self.grad_shards = [torch.zeros_like(master) for master in self.masters]
-        for group, master in zip(optimizer.param_groups, self.masters, strict=True):
-            group["params"] = [master]
-        optimizer.state.clear()
         self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
+        if offload is not None:
+            # Tiles follow the shard itself: no gather of the masters, gradients and weights are views.
+            self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, self._tile_target)
+            for tile in self.tiled.tiles:
+                self.tiled.initialize(tile, shard_fp32[tile.start : tile.start + tile.numel])
+            self.masters = []
+            self.grad_shards = [self.grad_flat]  # norm, overflow and clipping see exactly the reduced gradient
+        else:
+            self.masters = [nn.Parameter(shard_fp32[index]) for index in self._index]
+            self.grad_shards = [torch.zeros_like(master) for master in self.masters]
+            for group, master in zip(optimizer.param_groups, self.masters, strict=True):
+                group["params"] = [master]
+            optimizer.state.clear()
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), grad_shards=[self.grad_flat], shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
@@ -335,7 +431,26 @@ class UnitOptimizer(PartitionedOptimizer):
         self.reducer.on_no_grad(unit_index)
         on_param_grad(unit_index)
 
+    def _tile_target(self, tile: Tile) -> TileTarget:
+        span = slice(tile.start, tile.start + tile.numel)
+        return TileTarget(grad=self.grad_flat[span], weight=self.table.flat_shard[span])
+
+    def _step_tiles(self) -> None:
+        self.tiled.step(self.optimizer.param_groups)
+        self._regather_persistent()
+
+    def fp32_shards(self) -> list[torch.Tensor]:
+        flat = self.table.flat_shard.detach().float().cpu().clone()
+        if self.tiled is not None:
+            self.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
+        else:
+            for master, index in zip(self.masters, self._index, strict=True):
+                flat[index.cpu()] = master.detach().float().cpu()
+        return [flat]
+
     def _collect_grads(self) -> None:
+        if self.tiled is not None:
+            return  # the tiles read grad_flat directly
         for grad, index in zip(self.grad_shards, self._index, strict=True):
             if grad.device == self.grad_flat.device:
                 torch.index_select(self.grad_flat, 0, index, out=grad)  # straight in, no temporary
@@ -347,12 +462,23 @@ class UnitOptimizer(PartitionedOptimizer):
         flat = self.table.flat_shard
         for master, index in zip(self.masters, self._index, strict=True):
             flat.index_copy_(0, index, master.detach().to(device=flat.device, dtype=flat.dtype))
+        self._regather_persistent()
+
+    def _regather_persistent(self) -> None:
         for unit in self.table.units:
             if unit.persistent:
                 unit.gather(self.comm, async_op=False)
 
     def load_unit_piece(self, unit: Unit) -> None:
         """The unit's shard was edited (GatheredParameters with modifier_rank): masters follow."""
+        if self.tiled is not None:
+            flat = self.table.flat_shard
+
+            def edited(tile: Tile) -> torch.Tensor | None:
+                return flat[tile.start : tile.start + tile.numel].float() if tile.piece == unit.index else None
+
+            self.tiled.load_masters(edited)
+            return
         start = unit.bucket.shard_offset
         end = start + unit.bucket.piece_numel
         for master, index in zip(self.masters, self._index, strict=True):
@@ -362,7 +488,8 @@ class UnitOptimizer(PartitionedOptimizer):
                 master.data[inside.to(master.device)] = values
 
     def zero_grad(self) -> None:
-        super().zero_grad()
+        if self.tiled is None:
+            super().zero_grad()
         self.grad_flat.zero_()
 
 
@@ -374,3 +501,24 @@ def _piece_positions(bucket: Bucket, slot: ParamSlot, rank: int) -> torch.Tensor
         return torch.zeros(0, dtype=torch.long)
     lo, hi = part
     return torch.arange(bucket.shard_offset + lo - start, bucket.shard_offset + hi - start, dtype=torch.long)
+
+
+def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:
+    """(group, unit, start, numel) runs of the rank's flat shard: consecutive elements of optimized parameters
+    of one group inside one unit piece (padding and parameters outside the optimizer are in none)."""
+    runs: list[list[int]] = []
+    for unit in table.units:
+        start, end = unit.bucket.piece_range(rank)
+        for slot, param in zip(unit.bucket.slots, unit.params, strict=True):
+            group = group_of.get(id(param))
+            part = overlap(slot, start, end)
+            if group is None or part is None:
+                continue
+            first = unit.bucket.shard_offset + part[0] - start
+            numel = part[1] - part[0]
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == group and last[1] == unit.index and last[2] + last[3] == first:
+                last[3] += numel
+            else:
+                runs.append([group, unit.index, first, numel])
+    return [tuple(run) for run in runs]

@@ -264,7 +264,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
         if not masters:
             raise ValueError("below stage 3 every rank holds the whole compute-dtype model: read the parameters")
         trained = set()
-        for params, layout, master in zip(optimizer.groups, optimizer.layouts, optimizer.masters, strict=True):
+        for params, layout, master in zip(optimizer.groups, optimizer.layouts, optimizer.fp32_shards(), strict=True):
             for bucket in layout.buckets:
                 start, end = bucket.piece_range(optimizer.shard_rank)
                 piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
@@ -276,10 +276,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
                 pieces[name].append((0, param.detach().float().reshape(-1).cpu().clone()))
         return pieces
     table = engine.stage3.table
-    flat = table.flat_shard.detach().float().cpu().clone()
-    if masters:
-        for master, index in zip(optimizer.masters, optimizer._index, strict=True):
-            flat[index.cpu()] = master.detach().float().cpu()
+    flat = optimizer.fp32_shards()[0] if masters else table.flat_shard.detach().float().cpu().clone()
     for unit in table.units:
         bucket = unit.bucket
         start, end = bucket.piece_range(engine.global_rank)

@@ -1,0 +1,286 @@
+"""The tier manager: where each movable segment of training state lives, and how it reaches compute.
+
+[Note: tiers]
+A segment is a flat fp32 tensor of training state that can move (today: one optimizer tile's master and
+states, see infinity/zero/tiles.py). Each has a home tier:
+- HOST: the manager owns a host tensor for it; acquiring it hands that tensor out, nothing moves.
+- NVME: it lives in the rank's swap file (NvmeStore). Acquiring it takes a staging buffer from a fixed ring
+  of ``buffer_count`` host buffers and reads into it; giving it back dirty writes it out, and the buffer
+  returns to the ring when the write has finished. A ring buffer is reused only after its write completed,
+  so a read never overtakes the write of the same bytes.
+Callers ``acquire(name)`` a handle, ``wait()`` for its tensor and ``release(handle, dirty=...)`` it; they never
+branch on the tier. Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
+allocated once at open: host memory stays flat across steps.
+
+Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting.
+``window()`` gives the totals since the last call, for the per-step report line.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.aio.buffers import HostBuffer, allocate_host_buffer
+from infinity.aio.handle import AioHandle
+from infinity.errors import ConfigError, TierBudgetError
+from infinity.memory.nvme_store import NvmeStore, SegmentRequest, _human
+
+logger = logging.getLogger("infinity")
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class Residency(enum.Enum):
+    RESIDENT = "resident"  # usable in memory now (home HOST, or staged in a ring buffer)
+    IN_FLIGHT = "in flight"  # a read or a write is running
+    ABSENT = "absent"  # only on NVMe
+
+
+@dataclass(slots=True)
+class Traffic:
+    """One tier and direction: bytes moved, requests, seconds a caller was blocked waiting for them."""
+
+    bytes: int = 0
+    requests: int = 0
+    blocked_s: float = 0.0
+
+    def add(self, other: Traffic) -> None:
+        self.bytes += other.bytes
+        self.requests += other.requests
+        self.blocked_s += other.blocked_s
+
+
+DIRECTIONS = ("nvme_read", "nvme_write")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Totals per direction, and bytes held per tier."""
+
+    traffic: dict[str, Traffic] = field(default_factory=lambda: {d: Traffic() for d in DIRECTIONS})
+    held_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes of segments whose home it is
+    staging_bytes: int = 0  # the ring of host buffers for NVMe segments
+
+    def as_dict(self) -> dict:
+        return {
+            "traffic": {d: {"bytes": t.bytes, "requests": t.requests, "blocked_s": t.blocked_s}
+                        for d, t in self.traffic.items()},
+            "held_bytes": dict(self.held_bytes),
+            "staging_bytes": self.staging_bytes,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    name: str
+    numel: int
+    home: Tier
+
+
+class SegmentHandle:
+    """A segment on its way to or in memory: ``wait()`` gives its fp32 tensor (views of a ring buffer for NVMe
+    segments, the home tensor for HOST ones)."""
+
+    __slots__ = ("spec", "tensor", "_request", "_slot", "_manager")
+
+    def __init__(self, spec: SegmentSpec, tensor: torch.Tensor, request: SegmentRequest | None, slot, manager):
+        self.spec = spec
+        self.tensor = tensor
+        self._request = request
+        self._slot = slot
+        self._manager = manager
+
+    def ready(self) -> bool:
+        return self._request is None or self._request.done()
+
+    def wait(self) -> torch.Tensor:
+        if self._request is not None:
+            self._manager._wait(self._request, "nvme_read", self.spec.numel * 4)
+            self._request = None
+        return self.tensor
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    """One ring buffer: free, held by a handle, or writing (``write`` set)."""
+
+    buffer: HostBuffer
+    held: bool = False
+    write: SegmentRequest | None = None
+    write_bytes: int = 0
+
+
+class TierManager:
+    """Owns the segments' homes, the NVMe staging ring and the accounting ([Note: tiers])."""
+
+    def __init__(
+        self,
+        *,
+        store: NvmeStore | None = None,
+        handle: AioHandle | None = None,
+        buffer_count: int = 4,
+        pin_memory: bool = False,
+    ) -> None:
+        if buffer_count < 1:
+            raise ConfigError(f"buffer_count must be >= 1, got {buffer_count}")
+        self.store = store
+        self._handle = handle  # owned: closed with the manager
+        self.buffer_count = buffer_count
+        self.pin_memory = pin_memory
+        self._specs: dict[str, SegmentSpec] = {}
+        self._homes: dict[str, torch.Tensor] = {}
+        self._ring: list[_Slot] = []
+        self._writing: deque[_Slot] = deque()  # in submission order
+        self._traffic = {d: Traffic() for d in DIRECTIONS}
+        self._window = {d: Traffic() for d in DIRECTIONS}
+        self._open = False
+
+    # ---- setting up ----
+    def add(self, name: str, numel: int, home: Tier) -> SegmentSpec:
+        if self._open:
+            raise ConfigError(f"segment {name!r}: segments are added before the tier manager opens")
+        if home is Tier.NVME and self.store is None:
+            raise ConfigError(f"segment {name!r} has home NVMe but the tier manager has no swap store")
+        spec = SegmentSpec(name, numel, home)
+        self._specs[name] = spec
+        if home is Tier.NVME:
+            self.store.add(name, numel * 4)
+        return spec
+
+    def open(self) -> None:
+        """Opens the swap store and allocates the homes and the ring; then ``initialize`` each segment."""
+        nvme = [s for s in self._specs.values() if s.home is Tier.NVME]
+        pin = self.pin_memory and torch.cuda.is_available()
+        if nvme:
+            largest = max(s.numel for s in nvme) * 4
+            self.store.open()
+            for _ in range(self.buffer_count):
+                self._ring.append(_Slot(allocate_host_buffer(largest, pin=pin)))
+        for spec in self._specs.values():
+            if spec.home is Tier.HOST:
+                home = torch.empty(spec.numel, dtype=torch.float32)
+                self._homes[spec.name] = home.pin_memory() if pin else home
+        self._open = True
+
+    def initialize(self, name: str, fill: Callable[[torch.Tensor], None]) -> None:
+        """The segment's first value: ``fill(tensor)`` writes it (NVMe: into a ring buffer, written out at once,
+        so no more than the ring is ever in host memory)."""
+        handle = self.acquire(name, read=False)
+        fill(handle.tensor)
+        self.release(handle, dirty=True)
+
+    # ---- moving ----
+    def acquire(self, name: str, *, block: bool = True, read: bool = True) -> SegmentHandle | None:
+        """A handle on segment ``name``. NVMe: a ring buffer and (``read``) a read into it; without ``block``,
+        None when no buffer is free right now."""
+        spec = self._specs[name]
+        if spec.home is Tier.HOST:
+            return SegmentHandle(spec, self._homes[name], None, None, self)
+        slot = self._free_slot(block=block)
+        if slot is None:
+            return None
+        slot.held = True
+        tensor = slot.buffer.view(spec.numel, torch.float32)
+        request = self.store.read(name, tensor) if read else None
+        return SegmentHandle(spec, tensor, request, slot, self)
+
+    def release(self, handle: SegmentHandle, *, dirty: bool) -> None:
+        """Done with the segment: NVMe segments that changed are written back (asynchronously)."""
+        slot = handle._slot
+        if slot is None:
+            return
+        handle.wait()  # a read still in flight must land before its buffer is reused
+        slot.held = False
+        if dirty:
+            slot.write = self.store.write(handle.spec.name, handle.tensor)
+            slot.write_bytes = handle.spec.numel * 4
+            self._writing.append(slot)
+        handle._slot = None
+
+    def flush(self) -> None:
+        """Waits for every write in flight."""
+        while self._writing:
+            self._finish_write(self._writing.popleft())
+
+    def _free_slot(self, *, block: bool) -> _Slot | None:
+        for slot in self._ring:
+            if not slot.held and slot.write is None:
+                return slot
+        while self._writing:
+            oldest = self._writing[0]
+            if not block and not oldest.write.done():
+                return None
+            self._finish_write(self._writing.popleft())
+            if not oldest.held:
+                return oldest
+        if not block:
+            return None
+        raise TierBudgetError(
+            f"all {len(self._ring)} NVMe staging buffers are held at once; raise offload_optimizer.buffer_count"
+        )
+
+    def _finish_write(self, slot: _Slot) -> None:
+        request, slot.write = slot.write, None
+        self._wait(request, "nvme_write", slot.write_bytes)
+
+    def _wait(self, request: SegmentRequest, direction: str, nbytes: int) -> None:
+        start = time.perf_counter()
+        request.wait()
+        blocked = time.perf_counter() - start
+        for totals in (self._traffic[direction], self._window[direction]):
+            totals.bytes += nbytes
+            totals.requests += 1
+            totals.blocked_s += blocked
+
+    # ---- accounting ----
+    def stats(self) -> TierStats:
+        held: dict[str, int] = {}
+        for spec in self._specs.values():
+            held[spec.home.value] = held.get(spec.home.value, 0) + spec.numel * 4
+        return TierStats(
+            traffic={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._traffic.items()},
+            held_bytes=held,
+            staging_bytes=sum(slot.buffer.nbytes for slot in self._ring),
+        )
+
+    def window(self) -> dict[str, Traffic]:
+        """Traffic since the last call."""
+        window, self._window = self._window, {d: Traffic() for d in DIRECTIONS}
+        return window
+
+    def describe(self) -> str:
+        stats = self.stats()
+        parts = [f"{tier} {_human(n)}" for tier, n in sorted(stats.held_bytes.items())]
+        if stats.staging_bytes:
+            parts.append(f"NVMe staging ring {len(self._ring)} x {_human(stats.staging_bytes // len(self._ring))}")
+        return ", ".join(parts)
+
+    # ---- teardown ----
+    def close(self) -> None:
+        """Finishes the writes in flight, removes the swap files, frees the ring. Idempotent."""
+        try:
+            if self._open:
+                self.flush()
+        finally:
+            self._open = False
+            self._writing.clear()
+            for slot in self._ring:
+                slot.buffer.release()
+            self._ring.clear()
+            self._homes.clear()
+            if self.store is not None:
+                self.store.close()
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None

@@ -1,0 +1,240 @@
+"""Optimizer tiles: the offloaded optimizer step, one contiguous range of a param group's elements at a time.
+
+[Note: tiles]
+With offload_optimizer, a rank's fp32 masters and optimizer states are cut into tiles: a tile is a contiguous
+range of one param group's elements inside one bucket piece (stages 1-2) or one unit piece (stage 3), at most
+``tile_numel`` elements. Its master and states form one segment of the tier manager ([Note: tiers] in
+memory/tiers.py): [master | state 1 | state 2 ...], fp32, so an NVMe tile moves in one read and one write.
+
+The step walks the tiles in order. For each: wait for its segment, run torch's own functional update for the
+user's optimizer class (Adam / AdamW / SGD, with the hyperparameters and flags read from the user's
+param_groups at every step, so LR schedulers keep working; the step count per group is kept here), copy the
+new master into the compute-dtype weights, give the segment back dirty. With NVMe, reads of the next tiles
+are in flight while one steps and earlier writes drain behind it, within the ring's buffer_count buffers; the
+first tiles' reads start at the end of backward (``prefetch``), and the last writes finish behind the next
+forward (a buffer is waited for only when it is needed again).
+
+Elementwise updates do not care where a tensor is cut, so tiles change nothing in the math: the results are
+those of the same torch kernel on the whole shard (tests/distributed/test_offload.py checks it bitwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.optim import adam, sgd
+
+from infinity.errors import ConfigError
+from infinity.memory.tiers import SegmentHandle, Tier, TierManager
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    index: int
+    group: int
+    start: int  # first element in the rank's shard space (stages 1-2: the group's shard; 3: the flat shard)
+    numel: int
+    piece: int  # the bucket (stages 1-2, within the group) or unit (stage 3) whose piece holds it
+
+    @property
+    def name(self) -> str:
+        return f"tile{self.index}.g{self.group}.p{self.piece}"
+
+
+SIMD_NUMEL = 64  # tiles are cut at multiples of this: see cut()
+
+
+def cut(runs: Sequence[tuple[int, int, int, int]], tile_numel: int) -> list[Tile]:
+    """Tiles from runs of (group, piece, start, numel), each split into pieces of at most ``tile_numel``, rounded
+    down to a multiple of SIMD_NUMEL (at least that). Why: torch's fused Adam runs SIMD lanes from a tensor's
+    start and a scalar loop over its last numel % width elements, and the two round differently (the vector body
+    uses fused multiply-adds). Measured with AVX2: chunks of any size not a multiple of 8 change results by an
+    ulp; multiples of 8 leave them bitwise equal to one call on the whole tensor. 64 covers AVX-512 too."""
+    if tile_numel < 1:
+        raise ConfigError(f"zero_optimization.sub_group_size must be >= 1, got {tile_numel}")
+    tile_numel = max(tile_numel // SIMD_NUMEL * SIMD_NUMEL, SIMD_NUMEL)
+    tiles: list[Tile] = []
+    for group, piece, start, numel in runs:
+        for offset in range(0, numel, tile_numel):
+            tiles.append(Tile(len(tiles), group, start + offset, min(tile_numel, numel - offset), piece))
+    return tiles
+
+
+# ---- the update rules: torch's functional kernels, driven per tile ----
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """How one optimizer class steps a tile: the states it keeps (after the master) and the update."""
+
+    states: tuple[str, ...]
+    update: Callable[[dict, torch.Tensor, torch.Tensor, list[torch.Tensor], int], None]
+
+
+def _adam_update(group: dict, master, grad, states, step: int) -> None:
+    beta1, beta2 = group["betas"]
+    amsgrad = group.get("amsgrad", False)
+    adam.adam(
+        [master], [grad], [states[0]], [states[1]], [states[2]] if amsgrad else [],
+        [torch.tensor(float(step), dtype=torch.float32)],
+        foreach=group.get("foreach"), capturable=False, differentiable=False, fused=group.get("fused"),
+        decoupled_weight_decay=group.get("decoupled_weight_decay", False), amsgrad=amsgrad, beta1=beta1,
+        beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+        maximize=group.get("maximize", False),
+    )  # fmt: skip
+
+
+def _sgd_update(group: dict, master, grad, states, step: int) -> None:
+    momentum = group.get("momentum", 0)
+    # torch's first momentum step takes the gradient itself as the buffer (no dampening): pass None then.
+    buffers = [states[0] if step > 0 else None] if momentum else [None]
+    sgd.sgd(
+        [master], [grad], buffers, foreach=group.get("foreach"), fused=group.get("fused"),
+        weight_decay=group.get("weight_decay", 0), momentum=momentum, lr=group["lr"],
+        dampening=group.get("dampening", 0), nesterov=group.get("nesterov", False),
+        maximize=group.get("maximize", False),
+    )  # fmt: skip
+    if momentum and step == 0:
+        states[0].copy_(buffers[0])
+
+
+def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
+    """The update of ``optimizer``'s class, or a ConfigError: offload runs its own per-tile loop, so it supports
+    the optimizers whose update it can reproduce exactly."""
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW too (a subclass with decoupled weight decay)
+        amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
+        if any(g.get("capturable") or g.get("differentiable") for g in optimizer.param_groups):
+            raise ConfigError("offload_optimizer: Adam with capturable or differentiable is not supported")
+        return Rule(("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq"), _adam_update)
+    if type(optimizer) is torch.optim.SGD:
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return Rule(("momentum_buffer",) if momentum else (), _sgd_update)
+    raise ConfigError(
+        f"offload_optimizer supports Adam, AdamW and SGD; got {type(optimizer).__name__}. Use one of those, or "
+        "remove zero_optimization.offload_optimizer"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TileTarget:
+    """Where a tile's gradient comes from and where its new weights go (views of the optimizer's buffers)."""
+
+    grad: torch.Tensor  # (numel,) fp32
+    weight: torch.Tensor  # (numel,) compute dtype
+
+
+class TiledStep:
+    """Runs the step over the tiles through the tier manager ([Note: tiles])."""
+
+    def __init__(
+        self,
+        *,
+        tiles: list[Tile],
+        rule: Rule,
+        manager: TierManager,
+        home: Tier,
+        targets: Callable[[Tile], TileTarget],
+        groups: int,
+        pipeline_read: bool = True,
+        pipeline_write: bool = True,
+    ) -> None:
+        self.tiles = tiles
+        self.rule = rule
+        self.manager = manager
+        self.targets = targets
+        self.pipeline_read = pipeline_read
+        self.pipeline_write = pipeline_write
+        self.steps = [0] * groups  # optimizer steps taken, per param group
+        self.width = 1 + len(rule.states)
+        for tile in tiles:
+            manager.add(tile.name, tile.numel * self.width, home)
+
+        manager.open()
+        self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
+
+    def initialize(self, tile: Tile, master: torch.Tensor) -> None:
+        """The tile's first value: ``master`` (fp32, its elements) and zero states."""
+
+        def fill(segment: torch.Tensor) -> None:
+            segment[: tile.numel].copy_(master)
+            segment[tile.numel :].zero_()
+
+        self.manager.initialize(tile.name, fill)
+
+    def tiles_of(self, group: int, piece: int) -> list[Tile]:
+        return [t for t in self.tiles if t.group == group and t.piece == piece]
+
+    def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        n = tile.numel
+        return segment[:n], [segment[(k + 1) * n : (k + 2) * n] for k in range(len(self.rule.states))]
+
+    def prefetch(self) -> None:
+        """Start reading the first tiles (as many as free buffers allow, never blocking)."""
+        if self.pipeline_read:
+            self._read_ahead(0, self.manager.buffer_count - 1, block=False)
+
+    def _read_ahead(self, first: int, count: int, *, block: bool) -> None:
+        for index in range(first, min(first + count, len(self.tiles))):
+            if index in self._ahead:
+                continue
+            handle = self.manager.acquire(self.tiles[index].name, block=block)
+            if handle is None:
+                return
+            self._ahead[index] = handle
+
+    def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None) -> None:
+        """One optimizer step over every tile; ``on_tile(tile)`` after each tile's weights are published."""
+        depth = max(self.manager.buffer_count - 2, 1) if self.pipeline_read else 1
+        for tile in self.tiles:
+            self._read_ahead(tile.index, 1, block=True)
+            handle = self._ahead.pop(tile.index)
+            if self.pipeline_read:
+                self._read_ahead(tile.index + 1, depth, block=False)
+            segment = handle.wait()
+            master, states = self._views(tile, segment)
+            target = self.targets(tile)
+            grad = target.grad if target.grad.device == master.device else target.grad.to(master.device)
+            self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
+            target.weight.copy_(master)
+            self.manager.release(handle, dirty=True)
+            if not self.pipeline_write:
+                self.manager.flush()
+            if on_tile is not None:
+                on_tile(tile)
+        for group in range(len(self.steps)):
+            self.steps[group] += 1
+
+    def read_masters(self, into: Callable[[Tile], torch.Tensor]) -> None:
+        """Copies every tile's master into ``into(tile)`` (an fp32 view): for checkpoints and tests."""
+        self._visit(lambda tile, master: into(tile).copy_(master), dirty=False)
+
+    def load_masters(self, source: Callable[[Tile], torch.Tensor | None]) -> None:
+        """Overwrites the masters of the tiles for which ``source(tile)`` gives values (edited weights)."""
+
+        def load(tile: Tile, master: torch.Tensor) -> bool:
+            values = source(tile)
+            if values is not None:
+                master.copy_(values)
+            return values is not None
+
+        self._visit(load, dirty=True)
+
+    def _visit(self, fn, *, dirty: bool) -> None:
+        self._drop_ahead()
+        for tile in self.tiles:
+            handle = self.manager.acquire(tile.name)
+            changed = fn(tile, handle.wait()[: tile.numel])
+            self.manager.release(handle, dirty=dirty and changed is not False)
+        self.manager.flush()
+
+    def _drop_ahead(self) -> None:
+        for handle in self._ahead.values():
+            self.manager.release(handle, dirty=False)
+        self._ahead.clear()
+
+    def state_bytes(self) -> int:
+        return sum(tile.numel * self.width * 4 for tile in self.tiles)
+
+    def close(self) -> None:
+        self._drop_ahead()
+        self.manager.close()
