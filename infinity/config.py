@@ -600,11 +600,6 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    if zero.offload_param.enabled:
-        raise ConfigError(
-            f"zero_optimization.offload_param.device {zero.offload_param.device!r} is not implemented in this "
-            "version of infinity yet; remove offload_param (stage 3 keeps the parameter shards in device memory)"
-        )
     return Config(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,

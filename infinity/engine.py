@@ -24,7 +24,7 @@ from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
-from infinity.memory.offload import optimizer_tiers, tile_numel
+from infinity.memory.offload import agree_run_id, optimizer_tiers, parameter_shards, tile_numel
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
@@ -212,15 +212,21 @@ class Engine(nn.Module):
         else:
             raise ConfigError('no optimizer: pass optimizer= to initialize() or add an "optimizer" section')
         self.stage3: Stage3 | None = None
-        offload = self._optimizer_offload(torch_optimizer)
+        nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+        run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
+        offload = self._optimizer_offload(torch_optimizer, run_id)
         if zero.stage == 3:
+            make_shards = parameter_shards(
+                zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
+            )
             self.stage3, shard_fp32 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
-                full_value=take_whole,
+                full_value=take_whole, make_shards=make_shards,
             )  # fmt: skip
             self.zero_optimizer = UnitOptimizer(
                 torch_optimizer, comm=self.comm, table=self.stage3.table, shard_fp32=shard_fp32,
                 compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
+                sub_group_size=zero.sub_group_size,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
@@ -233,7 +239,7 @@ class Engine(nn.Module):
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
         self.optimizer = self.zero_optimizer
-        if self.zero_optimizer.tiled is not None and self.comm.rank == 0:
+        if zero.offload_optimizer.enabled and self.comm.rank == 0:
             tiled = self.zero_optimizer.tiled
             logger.info(
                 "optimizer offloaded to %s: %d tiles of <= %d elements; rank 0 holds %s",
@@ -257,13 +263,13 @@ class Engine(nn.Module):
         self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
 
-    def _optimizer_offload(self, optimizer: torch.optim.Optimizer) -> Offload | None:
+    def _optimizer_offload(self, optimizer: torch.optim.Optimizer, run_id: str | None) -> Offload | None:
         spec = self.config.zero.offload_optimizer
         if not spec.enabled:
             return None
         width = 1 + len(rule_for(optimizer).states)  # also refuses an optimizer offload cannot run
         nvme = spec.device == "nvme"
-        manager, home = optimizer_tiers(self.config.zero, self.config.aio, self.comm)
+        manager, home = optimizer_tiers(self.config.zero, self.config.aio, self.comm, run_id=run_id)
         return Offload(
             manager=manager,
             home=home,
@@ -272,10 +278,18 @@ class Engine(nn.Module):
             pipeline_write=spec.pipeline_write or not nvme,
         )
 
+    def _tier_managers(self) -> dict:
+        managers = {}
+        if self.zero_optimizer.tiled is not None:
+            managers["optimizer"] = self.zero_optimizer.tiled.manager
+        if self.stage3 is not None and self.stage3.table.shards.manager is not None:
+            managers["parameters"] = self.stage3.table.shards.manager
+        return managers
+
     def tier_stats(self) -> dict:
-        """Bytes per tier and the NVMe traffic so far (bytes, requests, seconds blocked waiting), this rank."""
-        tiled = self.zero_optimizer.tiled
-        return tiled.manager.stats().as_dict() if tiled is not None else {}
+        """This rank's offloaded state: per owner ("optimizer", "parameters"), bytes per tier and the NVMe traffic
+        so far (bytes, requests, seconds blocked waiting)."""
+        return {owner: manager.stats().as_dict() for owner, manager in self._tier_managers().items()}
 
     # ---- DeepSpeed's getters ----
     def train_batch_size(self) -> int:
@@ -381,13 +395,15 @@ class Engine(nn.Module):
                 "time per step: forward %.3g s, backward (with gradient reduction) %.3g s, optimizer step %.3g s",
                 per_step["forward"], per_step["backward"], per_step["step"],
             )  # fmt: skip
-        tiled = self.zero_optimizer.tiled
-        if tiled is not None and tiled.manager.store is not None:
-            window = tiled.manager.window()
+        for owner, manager in self._tier_managers().items():
+            if manager.store is None:
+                continue
+            window = manager.window()
             read, write = window["nvme_read"], window["nvme_write"]
             logger.info(
-                "NVMe optimizer states, last %d steps: read %.2f GB (%.3f s blocked), wrote %.2f GB (%.3f s blocked)",
-                self.config.steps_per_print, read.bytes / 1e9, read.blocked_s, write.bytes / 1e9, write.blocked_s,
+                "NVMe %s, last %d steps: read %.2f GB (%.3f s blocked), wrote %.2f GB (%.3f s blocked)",
+                owner, self.config.steps_per_print, read.bytes / 1e9, read.blocked_s, write.bytes / 1e9,
+                write.blocked_s,
             )  # fmt: skip
         if self.stage3 is not None:
             stats = self._fetch_stats

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 from infinity.aio.buffers import available_host_bytes
@@ -21,6 +22,8 @@ from infinity.config import ZeroConfig
 from infinity.memory.nvme_store import NvmeStore, default_run_id
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero.collectives import Comm
+from infinity.zero.partition import GroupLayout
+from infinity.zero.shards import UnitShards
 
 logger = logging.getLogger("infinity")
 
@@ -46,13 +49,33 @@ def tile_numel(zero: ZeroConfig, *, state_width: int, nvme: bool) -> int:
     return min(zero.sub_group_size, cap)
 
 
-def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, comm: Comm) -> tuple[TierManager, Tier]:
+def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None, dtype: torch.dtype,
+                     device: torch.device):  # fmt: skip
+    """make_shards for build_units: the home offload_param gives the rank's parameter shard ([Note: unit shards])."""
+    spec = zero.offload_param
+
+    def make(layout: GroupLayout, persistent: set[int]) -> UnitShards:
+        common = {"dtype": dtype, "device": device, "persistent": persistent, "rank": comm.rank}
+        if spec.device == "none":
+            return UnitShards(layout, home=Tier.DEVICE, **common)
+        if spec.device == "cpu":
+            return UnitShards(layout, home=Tier.HOST, manager=TierManager(pin_memory=spec.pin_memory), **common)
+        handle = AioHandle.from_settings(aio)
+        store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-params")
+        manager = TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 1),
+                              pin_memory=spec.pin_memory)  # fmt: skip
+        return UnitShards(layout, home=Tier.NVME, manager=manager, max_piece_numel=spec.buffer_size, **common)
+
+    return make
+
+
+def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None) -> tuple[TierManager, Tier]:
     """The tier manager for offload_optimizer: host homes (device cpu) or the rank's swap store (nvme)."""
     spec = zero.offload_optimizer
     if spec.device != "nvme":
         return TierManager(pin_memory=spec.pin_memory), Tier.HOST
     handle = AioHandle.from_settings(aio)
-    store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{agree_run_id(comm)}-optimizer")
+    store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-optimizer")
     count = max(spec.buffer_count, 3)  # one tile stepping, one reading ahead, one writing behind
     if count != spec.buffer_count and comm.rank == 0:
         logger.info("offload_optimizer.buffer_count %d raised to 3 (reading, stepping, writing)", spec.buffer_count)

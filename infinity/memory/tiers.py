@@ -1,13 +1,15 @@
 """The tier manager: where each movable segment of training state lives, and how it reaches compute.
 
 [Note: tiers]
-A segment is a flat fp32 tensor of training state that can move (today: one optimizer tile's master and
-states, see infinity/zero/tiles.py). Each has a home tier:
-- HOST: the manager owns a host tensor for it; acquiring it hands that tensor out, nothing moves.
+A segment is a flat tensor of training state that can move: one optimizer tile's fp32 master and states
+(infinity/zero/tiles.py), or one unit's compute-dtype parameter piece (infinity/zero/shards.py). Each has a home tier:
+- DEVICE, HOST: the manager owns a tensor for it in device or host memory; acquiring it hands that tensor out,
+  nothing moves.
 - NVME: it lives in the rank's swap file (NvmeStore). Acquiring it takes a staging buffer from a fixed ring
   of ``buffer_count`` host buffers and reads into it; giving it back dirty writes it out, and the buffer
   returns to the ring when the write has finished. A ring buffer is reused only after its write completed,
-  so a read never overtakes the write of the same bytes.
+  and acquiring a segment whose write is still in flight waits for that write and takes its buffer as it is
+  (the bytes are there; no read): so a read never overtakes the write of the same segment.
 Callers ``acquire(name)`` a handle, ``wait()`` for its tensor and ``release(handle, dirty=...)`` it; they never
 branch on the tier. Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
 allocated once at open: host memory stays flat across steps.
@@ -86,6 +88,11 @@ class SegmentSpec:
     name: str
     numel: int
     home: Tier
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 class SegmentHandle:
@@ -106,7 +113,7 @@ class SegmentHandle:
 
     def wait(self) -> torch.Tensor:
         if self._request is not None:
-            self._manager._wait(self._request, "nvme_read", self.spec.numel * 4)
+            self._manager._wait(self._request, "nvme_read", self.spec.nbytes)
             self._request = None
         return self.tensor
 
@@ -119,6 +126,7 @@ class _Slot:
     held: bool = False
     write: SegmentRequest | None = None
     write_bytes: int = 0
+    writing: str | None = None  # the segment being written from it
 
 
 class TierManager:
@@ -131,6 +139,7 @@ class TierManager:
         handle: AioHandle | None = None,
         buffer_count: int = 4,
         pin_memory: bool = False,
+        device: torch.device | None = None,
     ) -> None:
         if buffer_count < 1:
             raise ConfigError(f"buffer_count must be >= 1, got {buffer_count}")
@@ -138,24 +147,26 @@ class TierManager:
         self._handle = handle  # owned: closed with the manager
         self.buffer_count = buffer_count
         self.pin_memory = pin_memory
+        self.device = device or torch.device("cpu")  # where DEVICE homes live
         self._specs: dict[str, SegmentSpec] = {}
         self._homes: dict[str, torch.Tensor] = {}
         self._ring: list[_Slot] = []
         self._writing: deque[_Slot] = deque()  # in submission order
+        self._writing_by_name: dict[str, _Slot] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._open = False
 
     # ---- setting up ----
-    def add(self, name: str, numel: int, home: Tier) -> SegmentSpec:
+    def add(self, name: str, numel: int, home: Tier, dtype: torch.dtype = torch.float32) -> SegmentSpec:
         if self._open:
             raise ConfigError(f"segment {name!r}: segments are added before the tier manager opens")
         if home is Tier.NVME and self.store is None:
             raise ConfigError(f"segment {name!r} has home NVMe but the tier manager has no swap store")
-        spec = SegmentSpec(name, numel, home)
+        spec = SegmentSpec(name, numel, home, dtype)
         self._specs[name] = spec
         if home is Tier.NVME:
-            self.store.add(name, numel * 4)
+            self.store.add(name, spec.nbytes)
         return spec
 
     def open(self) -> None:
@@ -163,14 +174,16 @@ class TierManager:
         nvme = [s for s in self._specs.values() if s.home is Tier.NVME]
         pin = self.pin_memory and torch.cuda.is_available()
         if nvme:
-            largest = max(s.numel for s in nvme) * 4
+            largest = max(s.nbytes for s in nvme)
             self.store.open()
             for _ in range(self.buffer_count):
                 self._ring.append(_Slot(allocate_host_buffer(largest, pin=pin)))
         for spec in self._specs.values():
             if spec.home is Tier.HOST:
-                home = torch.empty(spec.numel, dtype=torch.float32)
+                home = torch.empty(spec.numel, dtype=spec.dtype)
                 self._homes[spec.name] = home.pin_memory() if pin else home
+            elif spec.home is Tier.DEVICE:
+                self._homes[spec.name] = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         self._open = True
 
     def initialize(self, name: str, fill: Callable[[torch.Tensor], None]) -> None:
@@ -185,13 +198,19 @@ class TierManager:
         """A handle on segment ``name``. NVMe: a ring buffer and (``read``) a read into it; without ``block``,
         None when no buffer is free right now."""
         spec = self._specs[name]
-        if spec.home is Tier.HOST:
+        if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
+        pending = self._writing_by_name.get(name)
+        if pending is not None:  # its newest bytes are in that buffer: take it back once written
+            self._writing.remove(pending)
+            self._finish_write(pending)
+            pending.held = True
+            return SegmentHandle(spec, pending.buffer.view(spec.numel, spec.dtype), None, pending, self)
         slot = self._free_slot(block=block)
         if slot is None:
             return None
         slot.held = True
-        tensor = slot.buffer.view(spec.numel, torch.float32)
+        tensor = slot.buffer.view(spec.numel, spec.dtype)
         request = self.store.read(name, tensor) if read else None
         return SegmentHandle(spec, tensor, request, slot, self)
 
@@ -204,9 +223,30 @@ class TierManager:
         slot.held = False
         if dirty:
             slot.write = self.store.write(handle.spec.name, handle.tensor)
-            slot.write_bytes = handle.spec.numel * 4
+            slot.write_bytes = handle.spec.nbytes
+            slot.writing = handle.spec.name
+            self._writing_by_name[handle.spec.name] = slot
             self._writing.append(slot)
         handle._slot = None
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
+        spec = self._specs[name]
+        self._settle(name)
+        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
+
+    def write_from(self, name: str, values: torch.Tensor) -> None:
+        """Blocking write of ``values`` into an NVMe segment."""
+        spec = self._specs[name]
+        self._settle(name)
+        self._wait(self.store.write(name, values.contiguous()), "nvme_write", spec.nbytes)
+
+    def _settle(self, name: str) -> None:
+        """Waits for the segment's write in flight, if any."""
+        pending = self._writing_by_name.get(name)
+        if pending is not None:
+            self._writing.remove(pending)
+            self._finish_write(pending)
 
     def flush(self) -> None:
         """Waits for every write in flight."""
@@ -232,6 +272,8 @@ class TierManager:
 
     def _finish_write(self, slot: _Slot) -> None:
         request, slot.write = slot.write, None
+        self._writing_by_name.pop(slot.writing, None)
+        slot.writing = None
         self._wait(request, "nvme_write", slot.write_bytes)
 
     def _wait(self, request: SegmentRequest, direction: str, nbytes: int) -> None:
@@ -247,7 +289,7 @@ class TierManager:
     def stats(self) -> TierStats:
         held: dict[str, int] = {}
         for spec in self._specs.values():
-            held[spec.home.value] = held.get(spec.home.value, 0) + spec.numel * 4
+            held[spec.home.value] = held.get(spec.home.value, 0) + spec.nbytes
         return TierStats(
             traffic={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._traffic.items()},
             held_bytes=held,
@@ -275,6 +317,7 @@ class TierManager:
         finally:
             self._open = False
             self._writing.clear()
+            self._writing_by_name.clear()
             for slot in self._ring:
                 slot.buffer.release()
             self._ring.clear()

@@ -44,9 +44,10 @@ from infinity.zero.schedule import (
     Trace,
     keep_after_use,
     plan_prefetch,
+    plan_swap_in,
     used_between,
 )
-from infinity.zero.units import UnitState, UnitTable
+from infinity.zero.units import UnitState, UnitTable, gather_piece
 
 logger = logging.getLogger("infinity")
 
@@ -154,6 +155,7 @@ class Coordinator:
         self.in_pass = True
         if self._pass.on_trace:
             self._fetch([], self._plan_prefetch(-1))
+            self._stage_ahead(-1)
 
     def end_pass(self) -> None:
         if not self.in_pass:
@@ -166,6 +168,7 @@ class Coordinator:
         self._drain()
         for index in list(self._resident.live):
             self._release(index)
+        self.table.shards.unstage_all()  # the step may rewrite the pieces: read them again next pass
         mode = self._pass.grad_mode
         previous = self._traces.get(mode)
         if previous is None or previous.signature() != recorded.signature():
@@ -209,6 +212,8 @@ class Coordinator:
             self._evict_for(sum(self._numel[u] for u in needs), keep=set(units))
         plan = self._plan_prefetch(self._pass.position, about_to_gather=needs) if self._pass.on_trace else []
         self._fetch(needs, plan)
+        if self._pass.on_trace:
+            self._stage_ahead(self._pass.position)
         self.stats.fetches += len(units)
         self.stats.on_demand += len(needs)
         for index in units:
@@ -303,7 +308,7 @@ class Coordinator:
         union = self._rendezvous(wanted) if self.comm.active else wanted
         for index in union:
             if index in wanted:
-                self.table.units[index].gather(self.comm, async_op=False)
+                self.table.units[index].gather(self.comm, self.table.shards, async_op=False)
             else:
                 self._gather_for_others(index)
         return [i in wanted for i in indices]
@@ -363,6 +368,16 @@ class Coordinator:
             else:  # another rank asked for it: take part, keep nothing
                 self._gather_for_others(index)
 
+    def _stage_ahead(self, position: int) -> None:
+        """Offloaded shards (NVMe): start reading the pieces of the next units along the trace that are not
+        gathered, as far as the staging buffers go (plan_swap_in: the look-ahead of the all-gathers, longer)."""
+        capacity = self.table.shards.staging_capacity
+        if not capacity:
+            return
+        for unit in plan_swap_in(self._pass.trace, position, resident=self._resident.live, limit=capacity):
+            if not self.table.shards.stage(unit):
+                return
+
     def _drain(self) -> None:
         """Answer other ranks' requests until every rank is done with its pass."""
         if not self.comm.active:
@@ -398,7 +413,7 @@ class Coordinator:
                 return first, sorted(union)
 
     def _gather(self, index: int, *, async_op: bool) -> None:
-        self.table.units[index].gather(self.comm, async_op=async_op)
+        self.table.units[index].gather(self.comm, self.table.shards, async_op=async_op)
         self._resident.add(index, self._numel[index])
         self.stats.gathered_numel += self._numel[index]
         self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._resident.live_numel)
@@ -406,7 +421,7 @@ class Coordinator:
     def _gather_for_others(self, index: int) -> None:
         unit = self.table.units[index]
         scratch = torch.empty(unit.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
-        collectives.all_gather_pieces(self.comm, scratch, unit.shard, async_op=False)
+        gather_piece(self.comm, self.table.shards, index, unit.bucket, scratch, async_op=False)
         self.stats.gathered_numel += self._numel[index]
 
     def _plan_prefetch(self, position: int, about_to_gather: list[int] = ()) -> list[int]:

@@ -22,7 +22,7 @@ from infinity.errors import ConfigError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
-from infinity.zero.partition import Bucket, GroupLayout, ParamSlot, overlap, plan
+from infinity.zero.partition import GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.tiles import Tile, TiledStep, TileTarget, cut, rule_for
 from infinity.zero.units import Unit, UnitTable
@@ -62,7 +62,8 @@ class PartitionedOptimizer:
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
 
     def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, targets) -> TiledStep:
-        rule = rule_for(optimizer)  # before any work: an unsupported optimizer is a ConfigError
+        # Before any work: an optimizer offload cannot run is a ConfigError.
+        rule = rule_for(optimizer, in_memory=offload.home is Tier.DEVICE)
         tiled = TiledStep(
             tiles=cut(runs, offload.tile_numel), rule=rule, manager=offload.manager, home=offload.home,
             targets=targets, groups=len(optimizer.param_groups), pipeline_read=offload.pipeline_read,
@@ -72,6 +73,12 @@ class PartitionedOptimizer:
             group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters
         optimizer.state.clear()
         return tiled
+
+    def _tiles_as_parameters(self) -> None:
+        """A rule without its own update: the user's optimizer gets each tile's master as a parameter."""
+        if self.tiled.rule.update is None:
+            for tile, param in zip(self.tiled.tiles, self.tiled.as_parameters(), strict=True):
+                self.optimizer.param_groups[tile.group]["params"].append(param)
 
     def prefetch_states(self) -> None:
         """At the end of the boundary's backward: start reading the first tiles of the step."""
@@ -343,9 +350,10 @@ class UnitOptimizer(PartitionedOptimizer):
     """Stage 3: the rank's shard is the concatenation of its pieces of every unit ([Note: units] in units.py).
 
     Units follow modules, optimizer param groups follow the user: a unit can hold parameters of several groups
-    (a Linear's weight with decay, its bias without). Each group's master is a gather of the group's elements of
-    the shard (``_index[g]``, positions in the flat shard); gradients are gathered the same way before the step
-    and the new weights scattered back into the compute-dtype shard after it."""
+    (a Linear's weight with decay, its bias without). The masters and states are tiles ([Note: tiles] in
+    tiles.py): runs of one group's elements inside one unit piece, so a tile's gradient is a view of the reduced
+    gradient shard and its new weights go straight into the unit's piece. Without offload the tiles live in
+    device memory; offloaded, in host memory or on NVMe: the same tiles step either way."""
 
     def __init__(
         self,
@@ -358,6 +366,7 @@ class UnitOptimizer(PartitionedOptimizer):
         device: torch.device,
         overlap_comm: bool,
         offload: Offload | None,
+        sub_group_size: int,
         on_param_grad: Callable[[int], None],
     ) -> None:
         """``on_param_grad(unit)``: a parameter of the unit has its gradient, or gets none this backward (the
@@ -371,33 +380,27 @@ class UnitOptimizer(PartitionedOptimizer):
         groups = [list(g["params"]) for g in optimizer.param_groups]
         expected = [0] * len(table.units)
         owner: dict[int, int] = {}
-        self._index: list[torch.Tensor] = []
         for g, params in enumerate(groups):
-            positions = []
             for param in params:
                 found = table.unit_of(param)
                 if found is None:
                     raise ConfigError("an optimizer parameter is not a parameter of the model; pass model.parameters()")
                 if owner.setdefault(id(param), g) != g:
                     raise ConfigError(f"a parameter appears in optimizer param groups {owner[id(param)]} and {g}")
-                unit, position = found
-                expected[unit.index] += 1
-                positions.append(_piece_positions(unit.bucket, unit.bucket.slots[position], comm.rank))
-            self._index.append(torch.cat(positions).to(device) if positions else torch.zeros(0, dtype=torch.long))
+                expected[found[0].index] += 1
         self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
-        if offload is not None:
-            # Tiles follow the shard itself: no gather of the masters, gradients and weights are views.
-            self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, self._tile_target)
-            for tile in self.tiled.tiles:
-                self.tiled.initialize(tile, shard_fp32[tile.start : tile.start + tile.numel])
-            self.masters = []
-            self.grad_shards = [self.grad_flat]  # norm, overflow and clipping see exactly the reduced gradient
-        else:
-            self.masters = [nn.Parameter(shard_fp32[index]) for index in self._index]
-            self.grad_shards = [torch.zeros_like(master) for master in self.masters]
-            for group, master in zip(optimizer.param_groups, self.masters, strict=True):
-                group["params"] = [master]
-            optimizer.state.clear()
+        # Tiles follow the shard itself (no gather of the masters; gradients and weights are views), in device
+        # memory without offload: offloaded or not, the same tiles step, so the results are the same.
+        if offload is None:
+            manager = TierManager(device=device)
+            offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
+        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, self._tile_target)
+        for tile in self.tiled.tiles:
+            self.tiled.initialize(tile, shard_fp32[tile.start : tile.start + tile.numel])
+        self._tiles_as_parameters()
+        self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
+        self.masters = []
+        self.grad_shards = [self.grad_flat]  # norm, overflow and clipping see exactly the reduced gradient
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), grad_shards=[self.grad_flat], shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
@@ -432,75 +435,45 @@ class UnitOptimizer(PartitionedOptimizer):
         on_param_grad(unit_index)
 
     def _tile_target(self, tile: Tile) -> TileTarget:
-        span = slice(tile.start, tile.start + tile.numel)
-        return TileTarget(grad=self.grad_flat[span], weight=self.table.flat_shard[span])
+        """The tile's gradient, and its elements of the unit's piece (held writable until the unit's last tile)."""
+        first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
+        piece = self.table.shards.edit(tile.piece)
+        return TileTarget(grad=self.grad_flat[tile.start : tile.start + tile.numel],
+                          weight=piece[first : first + tile.numel])  # fmt: skip
 
     def _step_tiles(self) -> None:
-        self.tiled.step(self.optimizer.param_groups)
+        last = self._last_tile
+
+        def on_tile(tile: Tile) -> None:
+            if tile.index == last[tile.piece]:
+                self.table.shards.commit(tile.piece)  # offloaded shards go back, behind the next tiles
+
+        self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer)
         self._regather_persistent()
 
     def fp32_shards(self) -> list[torch.Tensor]:
-        flat = self.table.flat_shard.detach().float().cpu().clone()
-        if self.tiled is not None:
-            self.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
-        else:
-            for master, index in zip(self.masters, self._index, strict=True):
-                flat[index.cpu()] = master.detach().float().cpu()
+        flat = self.table.shards.snapshot().float()
+        self.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
         return [flat]
-
-    def _collect_grads(self) -> None:
-        if self.tiled is not None:
-            return  # the tiles read grad_flat directly
-        for grad, index in zip(self.grad_shards, self._index, strict=True):
-            if grad.device == self.grad_flat.device:
-                torch.index_select(self.grad_flat, 0, index, out=grad)  # straight in, no temporary
-            else:  # offloaded masters: gather on the device, then one copy to the host
-                grad.copy_(self.grad_flat.index_select(0, index))
-
-    def _publish_weights(self) -> None:
-        """New compute-dtype pieces into the shard; the persistent unit, always gathered, is gathered anew."""
-        flat = self.table.flat_shard
-        for master, index in zip(self.masters, self._index, strict=True):
-            flat.index_copy_(0, index, master.detach().to(device=flat.device, dtype=flat.dtype))
-        self._regather_persistent()
 
     def _regather_persistent(self) -> None:
         for unit in self.table.units:
             if unit.persistent:
-                unit.gather(self.comm, async_op=False)
+                unit.gather(self.comm, self.table.shards, async_op=False)
 
     def load_unit_piece(self, unit: Unit) -> None:
         """The unit's shard was edited (GatheredParameters with modifier_rank): masters follow."""
-        if self.tiled is not None:
-            flat = self.table.flat_shard
-
-            def edited(tile: Tile) -> torch.Tensor | None:
-                return flat[tile.start : tile.start + tile.numel].float() if tile.piece == unit.index else None
-
-            self.tiled.load_masters(edited)
-            return
+        piece = self.table.shards.read(unit.index)
         start = unit.bucket.shard_offset
-        end = start + unit.bucket.piece_numel
-        for master, index in zip(self.masters, self._index, strict=True):
-            inside = (index >= start) & (index < end)
-            if inside.any():
-                values = self.table.flat_shard[index[inside]].to(device=master.device, dtype=torch.float32)
-                master.data[inside.to(master.device)] = values
+
+        def edited(tile: Tile) -> torch.Tensor | None:
+            first = tile.start - start
+            return piece[first : first + tile.numel].float() if tile.piece == unit.index else None
+
+        self.tiled.load_masters(edited)
 
     def zero_grad(self) -> None:
-        if self.tiled is None:
-            super().zero_grad()
         self.grad_flat.zero_()
-
-
-def _piece_positions(bucket: Bucket, slot: ParamSlot, rank: int) -> torch.Tensor:
-    """Positions in the rank's flat shard of the parameter's elements that fall in the rank's piece."""
-    start, end = bucket.piece_range(rank)
-    part = overlap(slot, start, end)
-    if part is None:
-        return torch.zeros(0, dtype=torch.long)
-    lo, hi = part
-    return torch.arange(bucket.shard_offset + lo - start, bucket.shard_offset + hi - start, dtype=torch.long)
 
 
 def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:

@@ -106,3 +106,16 @@ def plan_prefetch(
 def used_between(trace: Trace, start: int, end: int) -> set[int]:
     """Units used by the events at positions [start, end]."""
     return {unit for units in trace.uses[start : end + 1] for unit in units}
+
+
+def plan_swap_in(trace: Trace, position: int, *, resident: set[int], limit: int) -> list[int]:
+    """Units whose offloaded pieces should be read ahead after the event at ``position``: the next ``limit``
+    distinct units along the trace that are not gathered or in flight, in order of use."""
+    chosen: list[int] = []
+    for units in trace.uses[position + 1 :]:
+        for unit in units:
+            if unit not in resident and unit not in chosen:
+                chosen.append(unit)
+                if len(chosen) == limit:
+                    return chosen
+    return chosen

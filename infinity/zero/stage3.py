@@ -137,7 +137,7 @@ class Stage3:
             if modifier_rank is not None:
                 collectives.broadcast_(comm, unit.full, src=modifier_rank)
                 start, end = unit.bucket.piece_range(comm.rank)
-                unit.shard.copy_(unit.full[start:end])
+                self.table.shards.store(index, unit.full[start:end])
                 if self.on_piece_edited is not None:
                     self.on_piece_edited(unit)
             if release:
@@ -148,6 +148,7 @@ class Stage3:
             handle.remove()
         self.handles.clear()
         self.coordinator.close()
+        self.table.shards.close()
         unregister_runtime(self.table.parameters())
 
 
@@ -159,6 +160,7 @@ def setup_stage3(
     dtype: torch.dtype,
     device: torch.device,
     full_value,
+    make_shards,
 ) -> tuple[Stage3, torch.Tensor]:
     """Partitions the model into units and installs the hooks. Returns the runtime and this rank's fp32 shard.
     Fetches get their own groups ([Note: fetch rendezvous] in coordinator.py): one for the units, and for the
@@ -168,6 +170,7 @@ def setup_stage3(
         model, comm=comm, dtype=dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         model_persistence_threshold=zero.stage3_model_persistence_threshold, full_value=full_value,
+        make_shards=make_shards,
     )  # fmt: skip
     knobs = Knobs(
         max_live_numel=zero.stage3_max_live_parameters,

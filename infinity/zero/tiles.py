@@ -68,7 +68,8 @@ class Rule:
     """How one optimizer class steps a tile: the states it keeps (after the master) and the update."""
 
     states: tuple[str, ...]
-    update: Callable[[dict, torch.Tensor, torch.Tensor, list[torch.Tensor], int], None]
+    update: Callable[[dict, torch.Tensor, torch.Tensor, list[torch.Tensor], int], None] | None
+    # None: the user's own optimizer steps the tiles' masters as its parameters (tiles in device memory only)
 
 
 def _adam_update(group: dict, master, grad, states, step: int) -> None:
@@ -98,9 +99,10 @@ def _sgd_update(group: dict, master, grad, states, step: int) -> None:
         states[0].copy_(buffers[0])
 
 
-def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
-    """The update of ``optimizer``'s class, or a ConfigError: offload runs its own per-tile loop, so it supports
-    the optimizers whose update it can reproduce exactly."""
+def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Rule:
+    """The update of ``optimizer``'s class. Others: with tiles in device memory (``in_memory``), the user's
+    optimizer steps them as its parameters; offloaded, a ConfigError (the per-tile loop must reproduce the update
+    exactly, and the states must be segments it can move)."""
     if isinstance(optimizer, torch.optim.Adam):  # AdamW too (a subclass with decoupled weight decay)
         amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
         if any(g.get("capturable") or g.get("differentiable") for g in optimizer.param_groups):
@@ -109,6 +111,8 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     if type(optimizer) is torch.optim.SGD:
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         return Rule(("momentum_buffer",) if momentum else (), _sgd_update)
+    if in_memory:
+        return Rule((), None)
     raise ConfigError(
         f"offload_optimizer supports Adam, AdamW and SGD; got {type(optimizer).__name__}. Use one of those, or "
         "remove zero_optimization.offload_optimizer"
@@ -145,6 +149,7 @@ class TiledStep:
         self.pipeline_read = pipeline_read
         self.pipeline_write = pipeline_write
         self.steps = [0] * groups  # optimizer steps taken, per param group
+        self.params: list[torch.nn.Parameter] = []  # rule without update: the masters as the optimizer's params
         self.width = 1 + len(rule.states)
         for tile in tiles:
             manager.add(tile.name, tile.numel * self.width, home)
@@ -182,8 +187,16 @@ class TiledStep:
                 return
             self._ahead[index] = handle
 
-    def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None) -> None:
+    def as_parameters(self) -> list[torch.nn.Parameter]:
+        """For a rule without update: each tile's master as a parameter sharing its memory (homes in memory)."""
+        self.params = [torch.nn.Parameter(self.manager.acquire(t.name).tensor[: t.numel]) for t in self.tiles]
+        return self.params
+
+    def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None, optimizer=None) -> None:
         """One optimizer step over every tile; ``on_tile(tile)`` after each tile's weights are published."""
+        if self.rule.update is None:
+            self._step_with(optimizer, on_tile)
+            return
         depth = max(self.manager.buffer_count - 2, 1) if self.pipeline_read else 1
         for tile in self.tiles:
             self._read_ahead(tile.index, 1, block=True)
@@ -203,6 +216,17 @@ class TiledStep:
                 on_tile(tile)
         for group in range(len(self.steps)):
             self.steps[group] += 1
+
+    def _step_with(self, optimizer: torch.optim.Optimizer, on_tile) -> None:
+        targets = [self.targets(tile) for tile in self.tiles]
+        for param, target in zip(self.params, targets, strict=True):
+            param.grad = target.grad
+        optimizer.step()
+        for tile, param, target in zip(self.tiles, self.params, targets, strict=True):
+            param.grad = None
+            target.weight.copy_(param.detach())
+            if on_tile is not None:
+                on_tile(tile)
 
     def read_masters(self, into: Callable[[Tile], torch.Tensor]) -> None:
         """Copies every tile's master into ``into(tile)`` (an fp32 view): for checkpoints and tests."""

@@ -2,12 +2,12 @@
 
 [Note: units]
 Every module that directly owns parameters gets one unit: its parameters laid out in order in one flat buffer,
-padded to world_size * ALIGN and split equally; rank r keeps piece r (``Unit.shard``, a view into the rank's
-flat shard of the whole model). A parameter registered in several modules (tied weights) belongs to the first
-owner in ``named_modules`` order; every module that uses it fetches that unit. Parameters at or below the
-persistence threshold go to one persistent unit that is gathered once and never released (DeepSpeed keeps
-such parameters whole on every rank); it is unit 0, so its gradient reduction is launched last, when backward
-has produced all of them.
+padded to world_size * ALIGN and split equally; rank r keeps piece r (in ``UnitTable.shards``: device memory,
+host memory or NVMe, [Note: unit shards] in shards.py). A parameter registered in several modules (tied
+weights) belongs to the first owner in ``named_modules`` order; every module that uses it fetches that unit.
+Parameters at or below the persistence threshold go to one persistent unit that is gathered once and never
+released (DeepSpeed keeps such parameters whole on every rank); it is unit 0, so its gradient reduction is
+launched last, when backward has produced all of them.
 
 While a unit is gathered its parameters are views into ``Unit.full``; while released they are 0-element
 placeholders (reading one is an empty tensor, never freed memory) and the storage of ``full`` is resized to
@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
 from infinity.zero.partition import Bucket, GroupLayout, layout_from_runs
+from infinity.zero.shards import UnitShards
 
 
 class UnitState(enum.Enum):
@@ -49,7 +50,6 @@ class Unit:
     bucket: Bucket
     persistent: bool
     full: torch.Tensor  # (padded_numel,) compute dtype; 0-byte storage while released
-    shard: torch.Tensor  # (piece_numel,) compute dtype: this rank's piece
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None
 
@@ -82,10 +82,10 @@ class Unit:
         self.state = UnitState.RELEASED
         self.pending = None
 
-    def gather(self, comm: Comm, *, async_op: bool) -> Pending:
+    def gather(self, comm: Comm, shards: UnitShards, *, async_op: bool) -> Pending:
         """All-gather every rank's piece into ``full``; the parameters attach when it completes."""
         self.allocate()
-        pending = collectives.all_gather_pieces(comm, self.full, self.shard, async_op=async_op)
+        pending = gather_piece(comm, shards, self.index, self.bucket, self.full, async_op=async_op)
         if async_op:
             self.state = UnitState.IN_FLIGHT
             self.pending = pending
@@ -100,6 +100,17 @@ class Unit:
             self.attach()
 
 
+def gather_piece(comm: Comm, shards: UnitShards, index: int, bucket: Bucket, out: torch.Tensor, *, async_op: bool):
+    """out <- every rank's piece of the unit. A piece not on the device is first loaded into this rank's own slot of
+    ``out``, which is then the all-gather's input (in place, as NCCL documents and gloo does)."""
+    piece = shards.on_device(index)
+    if piece is None:
+        start, end = bucket.piece_range(comm.rank)
+        piece = out[start:end]
+        shards.load_into(index, piece)
+    return collectives.all_gather_pieces(comm, out, piece, async_op=async_op)
+
+
 @dataclass(slots=True)
 class UnitTable:
     """All units of a model, which modules use which units, and the rank's flat shard they are views into."""
@@ -111,7 +122,7 @@ class UnitTable:
     # when a module's forward turns out to use another module's parameters (nn.MultiheadAttention reads
     # out_proj.weight without calling out_proj): see stage3.py
     layout: GroupLayout
-    flat_shard: torch.Tensor  # (layout.shard_numel,) compute dtype
+    shards: UnitShards  # this rank's piece of every unit
     param_unit: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(param) -> (unit, position)
 
     def unit_of(self, param: nn.Parameter) -> tuple[Unit, int] | None:
@@ -171,10 +182,12 @@ def build_units(
     persistence_threshold: int,
     model_persistence_threshold: int,
     full_value: Callable[[nn.Parameter], torch.Tensor],
+    make_shards: Callable[[GroupLayout, set[int]], UnitShards],
 ) -> tuple[UnitTable, torch.Tensor]:
     """Partitions ``model`` into units. ``full_value(param)`` gives a parameter's whole value (zero.Init shards
     gather it). Every rank ends up with rank 0's values, as DeepSpeed broadcasts the model at start.
-    Returns the table and this rank's shard in fp32 (the optimizer's masters start from it)."""
+    ``make_shards(layout, persistent units)`` makes the shard's home. Returns the table and this rank's shard in
+    fp32 (the optimizer's masters start from it)."""
     owners = _owners(model)
     persistent: list[nn.Parameter] = []
     per_module: list[tuple[str, list[nn.Parameter]]] = []
@@ -200,7 +213,7 @@ def build_units(
         numels += [s.numel() for s in group_shapes]
     layout = layout_from_runs(0, numels, runs, world_size=comm.world_size)
     shard_fp32 = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-    flat_shard = torch.empty(layout.shard_numel, dtype=dtype, device=device)
+    shards = make_shards(layout, {0} if persistent else set())
     units, param_unit = [], {}
     for index, ((name, params), bucket) in enumerate(zip(groups, layout.buckets, strict=True)):
         full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=device)
@@ -210,7 +223,7 @@ def build_units(
         start, end = bucket.piece_range(comm.rank)
         piece = slice(bucket.shard_offset, bucket.shard_offset + bucket.piece_numel)
         shard_fp32[piece].copy_(full[start:end])
-        flat_shard[piece].copy_(full[start:end])
+        shards.store(index, full[start:end].to(dtype))
         unit = Unit(
             index=index,
             name=name,
@@ -219,7 +232,6 @@ def build_units(
             bucket=bucket,
             persistent=name == "<persistent>",
             full=full.to(dtype),
-            shard=flat_shard[piece],
         )
         del full
         for position, param in enumerate(params):
@@ -245,7 +257,7 @@ def build_units(
             uses.append(tuple(used))
     table = UnitTable(
         units=units, modules=modules, module_names=names, module_units=uses, layout=layout,
-        flat_shard=flat_shard, param_unit=param_unit,
+        shards=shards, param_unit=param_unit,
     )  # fmt: skip
     return table, shard_fp32
 

@@ -248,7 +248,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
     """What this rank itself holds of each parameter, read straight from its shard (no collective, so a wrong
     piece on one rank cannot be hidden by a gather that hands every rank the same values): parameter name ->
     [(first element in the flattened parameter, fp32 values)]. ``masters``: the optimizer's fp32 masters;
-    otherwise (stage 3 only) the compute-dtype shard the units gather from (``stage3.table.flat_shard``).
+    otherwise (stage 3 only) the compute-dtype shard the units gather from (``stage3.table.shards``).
     Stage 0 ranks hold everything; parameters outside the optimizer (frozen) come from the compute copy."""
     optimizer = engine.zero_optimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -276,7 +276,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
                 pieces[name].append((0, param.detach().float().reshape(-1).cpu().clone()))
         return pieces
     table = engine.stage3.table
-    flat = optimizer.fp32_shards()[0] if masters else table.flat_shard.detach().float().cpu().clone()
+    flat = optimizer.fp32_shards()[0] if masters else table.shards.snapshot().float()
     for unit in table.units:
         bucket = unit.bucket
         start, end = bucket.piece_range(engine.global_rank)

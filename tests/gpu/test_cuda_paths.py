@@ -94,7 +94,7 @@ def test_stage3_partitions_on_the_device_without_moving_the_whole_model():
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     engine, *_ = infinity.initialize(model=model, config=config(3))
     assert all(p.device.type == "cuda" for p in engine.module.parameters())
-    assert engine.stage3.table.flat_shard.device.type == "cuda"
+    assert engine.stage3.table.shards.flat.device.type == "cuda"
     # one unit's fp32 staging at a time, plus the shard, its fp32 copy and the masters: never the model twice
     assert torch.cuda.max_memory_allocated() - before < 4 * whole, torch.cuda.max_memory_allocated() - before
     assert_close(engine_losses(engine), plain_cuda())
