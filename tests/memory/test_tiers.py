@@ -1,0 +1,203 @@
+"""The tier manager ([Note: tiers] in infinity/memory/tiers.py) on the real disk: HOST homes, the NVMe staging
+ring, its ordering guarantee, its budget, its accounting and its cleanup."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinity.aio import AioHandle
+from infinity.errors import ConfigError, TierBudgetError
+from infinity.memory import NvmeStore
+from infinity.memory.tiers import Tier, TierManager
+
+MiB = 1 << 20
+
+
+def tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def values(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+
+
+def nvme_manager(path: Path, *, buffer_count: int = 3, intra_op_parallelism: int = 1) -> TierManager:
+    handle = AioHandle(intra_op_parallelism=intra_op_parallelism)
+    store = NvmeStore(path, handle=handle, run_id="tiers")
+    return TierManager(store=store, handle=handle, buffer_count=buffer_count)
+
+
+def test_host_homes_hand_out_the_same_tensor():
+    manager = TierManager()
+    manager.add("a", 100, Tier.HOST)
+    manager.add("b", 7, Tier.HOST)
+    manager.open()
+    try:
+        manager.initialize("a", lambda t: t.copy_(values(100, 1)))
+        first = manager.acquire("a")
+        tensor = first.wait()
+        assert torch.equal(tensor, values(100, 1)) and first.ready()
+        tensor.add_(1)
+        manager.release(first, dirty=True)
+        again = manager.acquire("a").wait()
+        assert again is tensor or again.data_ptr() == tensor.data_ptr()  # the home itself: nothing moved
+        assert torch.equal(again, values(100, 1) + 1)
+        assert manager.acquire("b").wait().numel() == 7
+        stats = manager.stats()
+        assert stats.held_bytes == {"host": 107 * 4} and stats.staging_bytes == 0
+        assert all(t.bytes == 0 and t.requests == 0 for t in stats.traffic.values())
+    finally:
+        manager.close()
+
+
+def test_nvme_round_trip_through_a_ring_smaller_than_the_segments(tmp_path):
+    """Ten segments of odd sizes through three buffers: each initialized, read back, changed, read back again."""
+    sizes = [1, 1000, 1023, 1024, 1025, 4097, 33, 65536, 77777, 5]
+    manager = nvme_manager(tmp_path, buffer_count=3)
+    for i, numel in enumerate(sizes):
+        manager.add(f"s{i}", numel, Tier.NVME)
+    manager.open()
+    try:
+        stats = manager.stats()
+        assert stats.held_bytes == {"nvme": 4 * sum(sizes)}
+        assert stats.staging_bytes >= 3 * 4 * max(sizes)
+        for i, numel in enumerate(sizes):
+            manager.initialize(f"s{i}", lambda t, i=i, numel=numel: t.copy_(values(numel, i)))
+        for i, numel in enumerate(sizes):
+            handle = manager.acquire(f"s{i}")
+            tensor = handle.wait()
+            assert torch.equal(tensor, values(numel, i)), i
+            tensor.mul_(-2)
+            manager.release(handle, dirty=True)
+        for i, numel in reversed(list(enumerate(sizes))):
+            handle = manager.acquire(f"s{i}")
+            assert torch.equal(handle.wait(), values(numel, i) * -2), i
+            manager.release(handle, dirty=False)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_a_read_never_overtakes_a_pending_write_of_the_same_segment(tmp_path, parallelism):
+    """New values released dirty (their write queued) and at once acquired again (a read into another ring
+    buffer): the read must see the new values, every time. 16 MiB segments, so that the write is still running
+    when the read is queued."""
+    numel = 4 * MiB
+    manager = nvme_manager(tmp_path, buffer_count=3, intra_op_parallelism=parallelism)
+    manager.add("x", numel, Tier.NVME)
+    manager.open()
+    try:
+        manager.initialize("x", lambda t: t.zero_())
+        for round_ in range(4):
+            handle = manager.acquire("x")
+            handle.wait().fill_(float(round_ + 1))
+            manager.release(handle, dirty=True)
+            again = manager.acquire("x")
+            tensor = again.wait()
+            assert bool((tensor == round_ + 1).all()), f"round {round_}: read {tensor.unique()[:4].tolist()}"
+            manager.release(again, dirty=False)
+    finally:
+        manager.close()
+
+
+def test_acquire_without_blocking_returns_none_while_every_buffer_is_busy(tmp_path):
+    manager = nvme_manager(tmp_path, buffer_count=3)
+    for name in "abcd":
+        manager.add(name, 4 * MiB, Tier.NVME)
+    manager.open()
+    try:
+        for name in "abcd":
+            manager.initialize(name, lambda t: t.fill_(1.0))
+        manager.flush()
+        held = [manager.acquire(name) for name in "abc"]
+        assert manager.acquire("d", block=False) is None  # all three held
+        held[0].wait().fill_(2.0)
+        manager.release(held[0], dirty=True)  # 16 MiB write queued: that buffer is busy writing
+        assert manager.acquire("d", block=False) is None  # two held, one writing
+        handle = manager.acquire("d")  # blocking: waits for the write, then reuses its buffer
+        assert bool((handle.wait() == 1.0).all())
+        for h in (handle, *held[1:]):
+            manager.release(h, dirty=False)
+        assert manager.acquire("d", block=False) is not None  # free buffers again
+    finally:
+        manager.close()
+
+
+def test_holding_every_buffer_and_acquiring_blocking_is_a_budget_error(tmp_path):
+    manager = nvme_manager(tmp_path, buffer_count=3)
+    for name in "abcd":
+        manager.add(name, 1000, Tier.NVME)
+    manager.open()
+    try:
+        held = [manager.acquire(name, read=False) for name in "abc"]
+        with pytest.raises(TierBudgetError, match=r"all 3 NVMe staging buffers are held.*buffer_count"):
+            manager.acquire("d")
+        for handle in held:
+            manager.release(handle, dirty=False)
+    finally:
+        manager.close()
+
+
+def test_stats_count_the_bytes_moved(tmp_path):
+    sizes = {"a": 1000, "b": 3000, "c": 17}
+    manager = nvme_manager(tmp_path, buffer_count=3)
+    for name, numel in sizes.items():
+        manager.add(name, numel, Tier.NVME)
+    manager.open()
+    try:
+        for name in sizes:
+            manager.initialize(name, lambda t: t.fill_(3.0))
+        manager.flush()
+        total = 4 * sum(sizes.values())
+        window = manager.window()
+        assert (window["nvme_write"].bytes, window["nvme_write"].requests) == (total, 3)
+        assert (window["nvme_read"].bytes, window["nvme_read"].requests) == (0, 0)
+        for name in ("a", "b", "a"):
+            handle = manager.acquire(name)
+            handle.wait()
+            manager.release(handle, dirty=name == "b")
+        manager.flush()
+        stats = manager.stats()
+        reads = 4 * (2 * sizes["a"] + sizes["b"])
+        assert (stats.traffic["nvme_read"].bytes, stats.traffic["nvme_read"].requests) == (reads, 3)
+        assert (stats.traffic["nvme_write"].bytes, stats.traffic["nvme_write"].requests) == (total + 4 * 3000, 4)
+        assert stats.traffic["nvme_read"].blocked_s >= 0 and stats.traffic["nvme_write"].blocked_s >= 0
+        window = manager.window()  # since the last window: this round only
+        assert (window["nvme_read"].bytes, window["nvme_write"].bytes) == (reads, 4 * 3000)
+        assert manager.window()["nvme_read"].bytes == 0
+        assert manager.stats().held_bytes == {"nvme": total}
+        assert "nvme" in manager.describe() and "staging ring 3 x" in manager.describe()
+    finally:
+        manager.close()
+
+
+def test_close_removes_the_files_and_is_idempotent(tmp_path):
+    manager = nvme_manager(tmp_path)
+    manager.add("a", 1000, Tier.NVME)
+    manager.add("h", 10, Tier.HOST)
+    manager.open()
+    manager.initialize("a", lambda t: t.fill_(1.0))
+    handle = manager.acquire("a")
+    handle.wait().fill_(5.0)
+    manager.release(handle, dirty=True)  # a write still in flight: close finishes it, then removes the file
+    assert tree(tmp_path) == ["infinity-tiers", "infinity-tiers/rank0", "infinity-tiers/rank0/lock",
+                              "infinity-tiers/rank0/swap"]  # fmt: skip
+    manager.close()
+    assert tree(tmp_path) == []
+    manager.close()
+    assert tree(tmp_path) == []
+
+
+def test_setup_mistakes_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="buffer_count"):
+        TierManager(buffer_count=0)
+    with pytest.raises(ConfigError, match="no swap store"):
+        TierManager().add("x", 10, Tier.NVME)
+    manager = TierManager()
+    manager.open()
+    with pytest.raises(ConfigError, match="before the tier manager opens"):
+        manager.add("late", 10, Tier.HOST)
+    manager.close()
