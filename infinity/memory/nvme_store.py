@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import errno as errno_module
 import fcntl
+import itertools
 import logging
 import os
 import re
@@ -517,9 +518,13 @@ def _preallocate(fd: int, nbytes: int, path: str) -> None:
 
 
 # ---- the store ----
+_run_numbers = itertools.count()
+
+
 def default_run_id() -> str:
-    """Time and pid: unique on one host. Ranks of one run must pass one id agreed among them."""
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """Time, pid and a number counting the ids this process made: unique on one host, also for several engines
+    made in the same second (a GAN's two). Ranks of one run must pass one id agreed among them."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_run_numbers)}"
 
 
 def _check_nvme_path(path: str) -> None:

@@ -103,7 +103,7 @@ def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Ru
     """The update of ``optimizer``'s class. Others: with tiles in device memory (``in_memory``), the user's
     optimizer steps them as its parameters; offloaded, a ConfigError (the per-tile loop must reproduce the update
     exactly, and the states must be segments it can move)."""
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW too (a subclass with decoupled weight decay)
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):  # exactly: a subclass may step otherwise
         amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
         if any(g.get("capturable") or g.get("differentiable") for g in optimizer.param_groups):
             raise ConfigError("offload_optimizer: Adam with capturable or differentiable is not supported")
