@@ -24,6 +24,7 @@ from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
+from infinity.memory.host import return_freed_memory
 from infinity.memory.offload import agree_run_id, optimizer_tiers, parameter_shards, tile_numel
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
@@ -186,6 +187,7 @@ class Engine(nn.Module):
         collate_fn=None,
     ) -> None:
         super().__init__()
+        return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
         raw_config = load_json(config)
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
         self.comm = self.distributed.comm
@@ -239,6 +241,9 @@ class Engine(nn.Module):
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
         self.optimizer = self.zero_optimizer
+        if zero.offload_param.enabled and self.comm.rank == 0:
+            logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
+                        self.stage3.table.shards.describe())  # fmt: skip
         if zero.offload_optimizer.enabled and self.comm.rank == 0:
             tiled = self.zero_optimizer.tiled
             logger.info(
@@ -400,10 +405,13 @@ class Engine(nn.Module):
                 continue
             window = manager.window()
             read, write = window["nvme_read"], window["nvme_write"]
+            moved = (read.bytes + write.bytes) / 1e9
+            blocked = read.blocked_s + write.blocked_s
             logger.info(
-                "NVMe %s, last %d steps: read %.2f GB (%.3f s blocked), wrote %.2f GB (%.3f s blocked)",
-                owner, self.config.steps_per_print, read.bytes / 1e9, read.blocked_s, write.bytes / 1e9,
-                write.blocked_s,
+                "NVMe %s, last %d steps: read %.2f GB, wrote %.2f GB (%.2f GB/s over %.1f s); blocked %.3f s "
+                "waiting, the rest hidden behind compute",
+                owner, self.config.steps_per_print, read.bytes / 1e9, write.bytes / 1e9, moved / max(elapsed, 1e-9),
+                elapsed, blocked,
             )  # fmt: skip
         if self.stage3 is not None:
             stats = self._fetch_stats

@@ -4,9 +4,8 @@ Tile size ([Note: tiles] in zero/tiles.py). Host-memory homes: ``sub_group_size`
 tiles only split the work. NVMe homes: the ring holds ``buffer_count`` tiles of [master | states] in host memory,
 so a tile is at most ``sub_group_size`` elements and at most what keeps the ring within STAGING_BUDGET_BYTES
 (and a quarter of the host memory available now). DeepSpeed sizes its buffers from sub_group_size alone
-(default 1e9 elements): on a 124M model its ring takes gigabytes. Here the default never does; a tile of
-~11M elements (Adam: 128 MiB) still moves at the disk's full speed (the aio-bench figures level off from
-16 MiB requests).
+(default 1e9 elements): on a 124M model its ring takes gigabytes. Here the default never does: a tile of
+~5.6M elements (Adam: 64 MiB) is still 64 requests of the default 1 MiB aio block, enough to keep the queue full.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from infinity.zero.shards import UnitShards
 
 logger = logging.getLogger("infinity")
 
-STAGING_BUDGET_BYTES = 512 << 20
+STAGING_BUDGET_BYTES = 256 << 20
 MIN_TILE_NUMEL = 1 << 20
 
 

@@ -146,6 +146,7 @@ class TierManager:
         self.store = store
         self._handle = handle  # owned: closed with the manager
         self.buffer_count = buffer_count
+        self.buffer_bytes: int | None = None  # the ring's buffer size; default (None): the largest NVMe segment
         self.pin_memory = pin_memory
         self.device = device or torch.device("cpu")  # where DEVICE homes live
         self._specs: dict[str, SegmentSpec] = {}
@@ -153,6 +154,7 @@ class TierManager:
         self._ring: list[_Slot] = []
         self._writing: deque[_Slot] = deque()  # in submission order
         self._writing_by_name: dict[str, _Slot] = {}
+        self._held: dict[str, SegmentHandle] = {}  # NVMe segments in a ring buffer, by name
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._open = False
@@ -174,10 +176,11 @@ class TierManager:
         nvme = [s for s in self._specs.values() if s.home is Tier.NVME]
         pin = self.pin_memory and torch.cuda.is_available()
         if nvme:
-            largest = max(s.nbytes for s in nvme)
+            if self.buffer_bytes is None:
+                self.buffer_bytes = max(s.nbytes for s in nvme)
             self.store.open()
             for _ in range(self.buffer_count):
-                self._ring.append(_Slot(allocate_host_buffer(largest, pin=pin)))
+                self._ring.append(_Slot(allocate_host_buffer(self.buffer_bytes, pin=pin)))
         for spec in self._specs.values():
             if spec.home is Tier.HOST:
                 home = torch.empty(spec.numel, dtype=spec.dtype)
@@ -193,6 +196,11 @@ class TierManager:
         fill(handle.tensor)
         self.release(handle, dirty=True)
 
+    def fits(self, name: str) -> bool:
+        """Whether the segment fits a ring buffer (larger ones move only with read_into / write_from)."""
+        spec = self._specs[name]
+        return spec.home is not Tier.NVME or spec.nbytes <= (self.buffer_bytes or 0)
+
     # ---- moving ----
     def acquire(self, name: str, *, block: bool = True, read: bool = True) -> SegmentHandle | None:
         """A handle on segment ``name``. NVMe: a ring buffer and (``read``) a read into it; without ``block``,
@@ -205,14 +213,18 @@ class TierManager:
             self._writing.remove(pending)
             self._finish_write(pending)
             pending.held = True
-            return SegmentHandle(spec, pending.buffer.view(spec.numel, spec.dtype), None, pending, self)
+            handle = SegmentHandle(spec, pending.buffer.view(spec.numel, spec.dtype), None, pending, self)
+            self._held[name] = handle
+            return handle
         slot = self._free_slot(block=block)
         if slot is None:
             return None
         slot.held = True
         tensor = slot.buffer.view(spec.numel, spec.dtype)
         request = self.store.read(name, tensor) if read else None
-        return SegmentHandle(spec, tensor, request, slot, self)
+        handle = SegmentHandle(spec, tensor, request, slot, self)
+        self._held[name] = handle
+        return handle
 
     def release(self, handle: SegmentHandle, *, dirty: bool) -> None:
         """Done with the segment: NVMe segments that changed are written back (asynchronously)."""
@@ -221,6 +233,8 @@ class TierManager:
             return
         handle.wait()  # a read still in flight must land before its buffer is reused
         slot.held = False
+        if self._held.get(handle.spec.name) is handle:
+            del self._held[handle.spec.name]
         if dirty:
             slot.write = self.store.write(handle.spec.name, handle.tensor)
             slot.write_bytes = handle.spec.nbytes
@@ -285,6 +299,15 @@ class TierManager:
             totals.requests += 1
             totals.blocked_s += blocked
 
+    def residency(self, name: str) -> Residency:
+        """Where the segment's newest bytes are: in memory (RESIDENT), moving (IN_FLIGHT), or only on NVMe."""
+        if self._specs[name].home is not Tier.NVME:
+            return Residency.RESIDENT
+        held = self._held.get(name)
+        if held is not None:
+            return Residency.RESIDENT if held.ready() else Residency.IN_FLIGHT
+        return Residency.IN_FLIGHT if name in self._writing_by_name else Residency.ABSENT
+
     # ---- accounting ----
     def stats(self) -> TierStats:
         held: dict[str, int] = {}
@@ -318,6 +341,7 @@ class TierManager:
             self._open = False
             self._writing.clear()
             self._writing_by_name.clear()
+            self._held.clear()
             for slot in self._ring:
                 slot.buffer.release()
             self._ring.clear()

@@ -9,7 +9,10 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   [Note: tiers] in memory/tiers.py); the persistent unit stays in memory (it is always gathered). A gather
   reads the piece into the unit's own slot of the gathered buffer (all-gather in place, input = that slot),
   from a staging buffer if the piece was read ahead (``stage``: the coordinator reads the next units of the
-  trace ahead, into a ring of buffer_count buffers, never blocking), else straight from the disk.
+  trace ahead, into a ring of buffer_count buffers, never blocking), else straight from the disk. The ring's
+  buffers fit the largest piece within ``staging_bytes`` / buffer_count (offload_param.buffer_size caps it
+  too): a model's few outsized units (the embedding, ~30% of GPT-2 small) are read on demand, straight into
+  their gathered buffer, rather than making every buffer their size.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
 writes it (asynchronously, behind the next tiles). Read-ahead copies are dropped at the end of every pass,
 so a staged piece is never older than the one on disk.
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from infinity.errors import ConfigError
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.partition import GroupLayout
 
@@ -36,6 +38,7 @@ class UnitShards:
         rank: int,
         manager: TierManager | None = None,
         max_piece_numel: int | None = None,
+        staging_bytes: int = 256 << 20,
     ) -> None:
         self.layout = layout
         self.dtype = dtype
@@ -47,18 +50,20 @@ class UnitShards:
         self._resident: dict[int, torch.Tensor] = {}  # NVME home: the persistent unit's piece
         self._staged: dict[int, SegmentHandle] = {}
         self._editing: dict[int, SegmentHandle] = {}
+        self._editing_outsized: dict[int, torch.Tensor] = {}
         if home is Tier.NVME:
+            sizes = []
             for bucket in layout.buckets:
                 if bucket.index in persistent:
                     self._resident[bucket.index] = torch.zeros(bucket.piece_numel, dtype=dtype, device=device)
                     continue
-                if max_piece_numel is not None and bucket.piece_numel > max_piece_numel:
-                    raise ConfigError(
-                        f"unit {bucket.index}'s shard has {bucket.piece_numel} elements, more than "
-                        f"offload_param.buffer_size {max_piece_numel}; set buffer_size to at least "
-                        f"{bucket.piece_numel} (or remove it: buffers are sized from the largest unit)"
-                    )
                 manager.add(self._name(bucket.index), bucket.piece_numel, Tier.NVME, dtype)
+                sizes.append(bucket.piece_numel * dtype.itemsize)
+            if sizes:
+                cap = staging_bytes // manager.buffer_count
+                if max_piece_numel is not None:
+                    cap = min(cap, max_piece_numel * dtype.itemsize)
+                manager.buffer_bytes = max([n for n in sizes if n <= cap], default=min(sizes))
             manager.open()
         else:
             where = device if home is Tier.DEVICE else torch.device("cpu")
@@ -100,6 +105,8 @@ class UnitShards:
         """Start reading the piece ahead (NVMe home); False when no staging buffer is free."""
         if self.flat is not None or index in self._resident or index in self._staged:
             return True
+        if not self.manager.fits(self._name(index)):
+            return True  # outsized: read on demand, straight into its gathered buffer
         handle = self.manager.acquire(self._name(index), block=False)
         if handle is None:
             return False
@@ -133,6 +140,10 @@ class UnitShards:
             return self._resident[index]
         if self.flat is not None:
             return self.flat[self._span(index)]
+        if not self.manager.fits(self._name(index)):
+            if index not in self._editing_outsized:
+                self._editing_outsized[index] = self.read(index)
+            return self._editing_outsized[index]
         if index not in self._editing:
             if index in self._staged:
                 self.manager.release(self._staged.pop(index), dirty=False)
@@ -140,9 +151,17 @@ class UnitShards:
         return self._editing[index].wait()
 
     def commit(self, index: int) -> None:
+        outsized = self._editing_outsized.pop(index, None)
+        if outsized is not None:
+            self.manager.write_from(self._name(index), outsized)
         handle = self._editing.pop(index, None)
         if handle is not None:
             self.manager.release(handle, dirty=True)
+
+    def describe(self) -> str:
+        if self.flat is not None:
+            return f"{self.home.value} {self.flat.numel() * self.flat.element_size() / 2**20:.1f} MiB"
+        return self.manager.describe()
 
     # ---- whole shard ----
     def read(self, index: int) -> torch.Tensor:
@@ -164,5 +183,6 @@ class UnitShards:
     def close(self) -> None:
         self._staged.clear()
         self._editing.clear()
+        self._editing_outsized.clear()
         if self.manager is not None:
             self.manager.close()

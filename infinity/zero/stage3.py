@@ -170,7 +170,7 @@ def setup_stage3(
         model, comm=comm, dtype=dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         model_persistence_threshold=zero.stage3_model_persistence_threshold, full_value=full_value,
-        make_shards=make_shards,
+        make_shards=make_shards, fp32_device=torch.device("cpu") if zero.offload_optimizer.enabled else None,
     )  # fmt: skip
     knobs = Knobs(
         max_live_numel=zero.stage3_max_live_parameters,

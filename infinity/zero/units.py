@@ -183,11 +183,13 @@ def build_units(
     model_persistence_threshold: int,
     full_value: Callable[[nn.Parameter], torch.Tensor],
     make_shards: Callable[[GroupLayout, set[int]], UnitShards],
+    fp32_device: torch.device | None = None,
 ) -> tuple[UnitTable, torch.Tensor]:
     """Partitions ``model`` into units. ``full_value(param)`` gives a parameter's whole value (zero.Init shards
     gather it). Every rank ends up with rank 0's values, as DeepSpeed broadcasts the model at start.
     ``make_shards(layout, persistent units)`` makes the shard's home. Returns the table and this rank's shard in
-    fp32 (the optimizer's masters start from it)."""
+    fp32 (the optimizer's masters start from it) on ``fp32_device`` (default: ``device``; the host when the
+    optimizer is offloaded, so no fp32 copy of the shard is ever made in device memory)."""
     owners = _owners(model)
     persistent: list[nn.Parameter] = []
     per_module: list[tuple[str, list[nn.Parameter]]] = []
@@ -212,7 +214,7 @@ def build_units(
         runs.append(list(range(len(numels), len(numels) + len(group_shapes))))
         numels += [s.numel() for s in group_shapes]
     layout = layout_from_runs(0, numels, runs, world_size=comm.world_size)
-    shard_fp32 = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+    shard_fp32 = torch.zeros(layout.shard_numel, dtype=torch.float32, device=fp32_device or device)
     shards = make_shards(layout, {0} if persistent else set())
     units, param_unit = [], {}
     for index, ((name, params), bucket) in enumerate(zip(groups, layout.buckets, strict=True)):

@@ -1,6 +1,7 @@
 """CUDA paths that a CPU machine cannot exercise: stage 3 with parameters on the device and fetch headers on a
 gloo side group next to NCCL, zero.Init pieces on the device, and stage 2 with the optimizer offloaded to the
-host (device -> host gradient copies that must be complete before the step reads them).
+host (device -> host gradient copies that must be complete before the step reads them), and ZeRO-Infinity
+offload of parameters and optimizer to pinned host memory and NVMe.
 
 Skipped without CUDA; the NCCL test needs two GPUs. `benchmarks/gpu/run_checks.sh` runs them on a GPU machine.
 """
@@ -99,6 +100,26 @@ def test_stage3_partitions_on_the_device_without_moving_the_whole_model():
     assert torch.cuda.max_memory_allocated() - before < 4 * whole, torch.cuda.max_memory_allocated() - before
     assert_close(engine_losses(engine), plain_cuda())
     engine.destroy()
+
+
+@pytest.mark.parametrize("optimizer_device,param_device", [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "none")])
+def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param_device):
+    """Offload with CUDA: pinned host homes and staging buffers, gradients copied device -> host for the tiles,
+    new weights host -> device, parameter pieces read from NVMe into the gathered buffer on the device. The
+    parameter shard and the optimizer tiles must not live in device memory."""
+    zero = {"offload_optimizer": {"device": optimizer_device, "nvme_path": str(tmp_path), "pin_memory": True,
+                                  "pipeline_read": True, "pipeline_write": True}}  # fmt: skip
+    if param_device != "none":
+        zero["offload_param"] = {"device": param_device, "nvme_path": str(tmp_path), "pin_memory": True}
+    engine, *_ = infinity.initialize(model=mlp(), config=config(3, **zero))
+    homes = engine.tier_stats()["optimizer"]["held_bytes"]
+    assert set(homes) == {"host" if optimizer_device == "cpu" else "nvme"}
+    shards = engine.stage3.table.shards
+    assert shards.home.value == {"none": "device", "cpu": "host", "nvme": "nvme"}[param_device]
+    assert shards.flat is None or shards.flat.device.type == ("cuda" if param_device == "none" else "cpu")
+    assert_close(engine_losses(engine), plain_cuda())
+    engine.destroy()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_zero_init_keeps_pieces_on_the_device():

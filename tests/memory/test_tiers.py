@@ -11,7 +11,7 @@ import torch
 from infinity.aio import AioHandle
 from infinity.errors import ConfigError, TierBudgetError
 from infinity.memory import NvmeStore
-from infinity.memory.tiers import Tier, TierManager
+from infinity.memory.tiers import Residency, Tier, TierManager
 
 MiB = 1 << 20
 
@@ -201,3 +201,28 @@ def test_setup_mistakes_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="before the tier manager opens"):
         manager.add("late", 10, Tier.HOST)
     manager.close()
+
+
+def test_residency_follows_a_segment_through_the_ring(tmp_path):
+    """ABSENT on NVMe only, IN_FLIGHT while its read or write runs, RESIDENT while held after the read; HOST homes
+    are always RESIDENT."""
+    manager = nvme_manager(tmp_path, buffer_count=2)
+    manager.add("big", 16 * MiB // 4, Tier.NVME)
+    manager.add("host", 10, Tier.HOST)
+    manager.open()
+    try:
+        manager.initialize("big", lambda t: t.fill_(3.0))
+        assert manager.residency("host") is Residency.RESIDENT
+        manager.flush()
+        assert manager.residency("big") is Residency.ABSENT
+        handle = manager.acquire("big")
+        assert manager.residency("big") in (Residency.IN_FLIGHT, Residency.RESIDENT)
+        handle.wait()
+        assert manager.residency("big") is Residency.RESIDENT
+        manager.release(handle, dirty=True)
+        assert manager.residency("big") in (Residency.IN_FLIGHT, Residency.ABSENT)
+        manager.flush()
+        assert manager.residency("big") is Residency.ABSENT
+        assert bool((manager.acquire("big").wait() == 3.0).all())
+    finally:
+        manager.close()
