@@ -185,8 +185,8 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = None
     buffer_count: int = 4
     pin_memory: bool = False
-    pipeline_read: bool = False
-    pipeline_write: bool = False
+    pipeline_read: bool = True  # DeepSpeed: false. Here reads ahead / writes behind unless turned off
+    pipeline_write: bool = True
     fast_init: bool = False
     ratio: float = 1.0
 

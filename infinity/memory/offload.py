@@ -62,7 +62,7 @@ def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: 
         handle = AioHandle.from_settings(aio)
         store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-params")
         manager = TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 1),
-                              pin_memory=spec.pin_memory)  # fmt: skip
+                              pin_memory=spec.pin_memory, owner="offload_param")  # fmt: skip
         return UnitShards(layout, home=Tier.NVME, manager=manager, max_piece_numel=spec.buffer_size, **common)
 
     return make

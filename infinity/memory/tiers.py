@@ -140,12 +140,14 @@ class TierManager:
         buffer_count: int = 4,
         pin_memory: bool = False,
         device: torch.device | None = None,
+        owner: str = "offload_optimizer",
     ) -> None:
         if buffer_count < 1:
             raise ConfigError(f"buffer_count must be >= 1, got {buffer_count}")
         self.store = store
         self._handle = handle  # owned: closed with the manager
         self.buffer_count = buffer_count
+        self.owner = owner  # the config section whose buffer_count sizes the ring, for errors
         self.buffer_bytes: int | None = None  # the ring's buffer size; default (None): the largest NVMe segment
         self.pin_memory = pin_memory
         self.device = device or torch.device("cpu")  # where DEVICE homes live
@@ -219,9 +221,9 @@ class TierManager:
         slot = self._free_slot(block=block)
         if slot is None:
             return None
-        slot.held = True
         tensor = slot.buffer.view(spec.numel, spec.dtype)
-        request = self.store.read(name, tensor) if read else None
+        request = self.store.read(name, tensor) if read else None  # a missing or short file raises: slot stays free
+        slot.held = True
         handle = SegmentHandle(spec, tensor, request, slot, self)
         self._held[name] = handle
         return handle
@@ -231,17 +233,19 @@ class TierManager:
         slot = handle._slot
         if slot is None:
             return
-        handle.wait()  # a read still in flight must land before its buffer is reused
-        slot.held = False
-        if self._held.get(handle.spec.name) is handle:
-            del self._held[handle.spec.name]
+        try:
+            handle.wait()  # a read still in flight must land before its buffer is reused
+        finally:
+            slot.held = False
+            handle._slot = None
+            if self._held.get(handle.spec.name) is handle:
+                del self._held[handle.spec.name]
         if dirty:
             slot.write = self.store.write(handle.spec.name, handle.tensor)
             slot.write_bytes = handle.spec.nbytes
             slot.writing = handle.spec.name
             self._writing_by_name[handle.spec.name] = slot
             self._writing.append(slot)
-        handle._slot = None
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
@@ -281,7 +285,8 @@ class TierManager:
         if not block:
             return None
         raise TierBudgetError(
-            f"all {len(self._ring)} NVMe staging buffers are held at once; raise offload_optimizer.buffer_count"
+            f"all {len(self._ring)} NVMe staging buffers of {self.owner} are held at once; raise "
+            f"{self.owner}.buffer_count"
         )
 
     def _finish_write(self, slot: _Slot) -> None:

@@ -183,18 +183,13 @@ class Init:
 
     @staticmethod
     def _check_config(raw) -> None:
+        """The config is read for validation only: pieces are built in memory; initialize() moves them to their
+        home (offload_param's host memory or NVMe)."""
         if raw is None:
             return
         from infinity.config import load_json
-        from infinity.errors import ConfigError
 
-        zero = load_json(raw).get("zero_optimization", {}) or {}
-        device = (zero.get("offload_param") or {}).get("device", "none")
-        if device not in (None, "none"):
-            raise ConfigError(
-                f"zero_optimization.offload_param.device {device!r} is not implemented in this version of infinity "
-                "yet; remove offload_param to build the model partitioned in device memory"
-            )
+        load_json(raw)
 
     def __enter__(self):
         if not self.enabled:

@@ -24,7 +24,7 @@ from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.partition import GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
-from infinity.zero.tiles import Tile, TiledStep, TileTarget, cut, rule_for
+from infinity.zero.tiles import Tile, TiledStep, cut, rule_for
 from infinity.zero.units import Unit, UnitTable
 from infinity.zero.unused import reachable_leaves
 
@@ -61,12 +61,13 @@ class PartitionedOptimizer:
     _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
 
-    def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, targets) -> TiledStep:
+    def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload) -> TiledStep:
         # Before any work: an optimizer offload cannot run is a ConfigError.
         rule = rule_for(optimizer, in_memory=offload.home is Tier.DEVICE)
         tiled = TiledStep(
             tiles=cut(runs, offload.tile_numel), rule=rule, manager=offload.manager, home=offload.home,
-            targets=targets, groups=len(optimizer.param_groups), pipeline_read=offload.pipeline_read,
+            grads=self._tile_grad, weights=self._tile_weight, groups=len(optimizer.param_groups),
+            pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write,
         )  # fmt: skip
         for group in optimizer.param_groups:
@@ -235,7 +236,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         if offload is not None:
             runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
                     for b in layout.buckets]  # fmt: skip
-            self.tiled = self._make_tiled(optimizer, runs, offload, self._tile_target)
+            self.tiled = self._make_tiled(optimizer, runs, offload)
             self._last_tile = {(t.group, t.piece): t.index for t in self.tiled.tiles}
         for params, layout in zip(self.groups, self.layouts, strict=True):
             self._flatten_group(params, layout)
@@ -296,9 +297,11 @@ class ZeroOptimizer(PartitionedOptimizer):
         first = bucket.piece_range(self.shard_rank)[0] + tile.start - bucket.shard_offset
         return self.weights[tile.group][tile.piece][first : first + tile.numel]
 
-    def _tile_target(self, tile: Tile) -> TileTarget:
-        return TileTarget(grad=self.grad_shards[tile.group][tile.start : tile.start + tile.numel],
-                          weight=self._piece_view(tile))  # fmt: skip
+    def _tile_grad(self, tile: Tile) -> torch.Tensor:
+        return self.grad_shards[tile.group][tile.start : tile.start + tile.numel]
+
+    def _tile_weight(self, tile: Tile) -> torch.Tensor:
+        return self._piece_view(tile)
 
     def _step_tiles(self) -> None:
         """Each bucket is all-gathered as soon as its last tile has stepped, behind the following tiles."""
@@ -394,7 +397,7 @@ class UnitOptimizer(PartitionedOptimizer):
         if offload is None:
             manager = TierManager(device=device)
             offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
-        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, self._tile_target)
+        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload)
         for tile in self.tiled.tiles:
             self.tiled.initialize(tile, shard_fp32[tile.start : tile.start + tile.numel])
         self._tiles_as_parameters()
@@ -434,12 +437,13 @@ class UnitOptimizer(PartitionedOptimizer):
         self.reducer.on_no_grad(unit_index)
         on_param_grad(unit_index)
 
-    def _tile_target(self, tile: Tile) -> TileTarget:
-        """The tile's gradient, and its elements of the unit's piece (held writable until the unit's last tile)."""
+    def _tile_grad(self, tile: Tile) -> torch.Tensor:
+        return self.grad_flat[tile.start : tile.start + tile.numel]
+
+    def _tile_weight(self, tile: Tile) -> torch.Tensor:
+        """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed)."""
         first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
-        piece = self.table.shards.edit(tile.piece)
-        return TileTarget(grad=self.grad_flat[tile.start : tile.start + tile.numel],
-                          weight=piece[first : first + tile.numel])  # fmt: skip
+        return self.table.shards.edit(tile.piece)[first : first + tile.numel]
 
     def _step_tiles(self) -> None:
         last = self._last_tile
@@ -466,11 +470,11 @@ class UnitOptimizer(PartitionedOptimizer):
         piece = self.table.shards.read(unit.index)
         start = unit.bucket.shard_offset
 
-        def edited(tile: Tile) -> torch.Tensor | None:
+        def edited(tile: Tile) -> torch.Tensor:
             first = tile.start - start
-            return piece[first : first + tile.numel].float() if tile.piece == unit.index else None
+            return piece[first : first + tile.numel].float()
 
-        self.tiled.load_masters(edited)
+        self.tiled.load_masters([t for t in self.tiled.tiles if t.piece == unit.index], edited)
 
     def zero_grad(self) -> None:
         self.grad_flat.zero_()

@@ -63,7 +63,7 @@ class UnitShards:
                 cap = staging_bytes // manager.buffer_count
                 if max_piece_numel is not None:
                     cap = min(cap, max_piece_numel * dtype.itemsize)
-                manager.buffer_bytes = max([n for n in sizes if n <= cap], default=min(sizes))
+                manager.buffer_bytes = max([n for n in sizes if n <= cap], default=cap)  # none fits: all on demand
             manager.open()
         else:
             where = device if home is Tier.DEVICE else torch.device("cpu")

@@ -77,7 +77,7 @@ def _adam_update(group: dict, master, grad, states, step: int) -> None:
     amsgrad = group.get("amsgrad", False)
     adam.adam(
         [master], [grad], [states[0]], [states[1]], [states[2]] if amsgrad else [],
-        [torch.tensor(float(step), dtype=torch.float32)],
+        [torch.tensor(float(step), dtype=torch.float32, device=master.device if group.get("fused") else "cpu")],
         foreach=group.get("foreach"), capturable=False, differentiable=False, fused=group.get("fused"),
         decoupled_weight_decay=group.get("decoupled_weight_decay", False), amsgrad=amsgrad, beta1=beta1,
         beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
@@ -119,14 +119,6 @@ def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Ru
     )
 
 
-@dataclass(frozen=True, slots=True)
-class TileTarget:
-    """Where a tile's gradient comes from and where its new weights go (views of the optimizer's buffers)."""
-
-    grad: torch.Tensor  # (numel,) fp32
-    weight: torch.Tensor  # (numel,) compute dtype
-
-
 class TiledStep:
     """Runs the step over the tiles through the tier manager ([Note: tiles])."""
 
@@ -137,7 +129,8 @@ class TiledStep:
         rule: Rule,
         manager: TierManager,
         home: Tier,
-        targets: Callable[[Tile], TileTarget],
+        grads: Callable[[Tile], torch.Tensor],
+        weights: Callable[[Tile], torch.Tensor],
         groups: int,
         pipeline_read: bool = True,
         pipeline_write: bool = True,
@@ -145,7 +138,8 @@ class TiledStep:
         self.tiles = tiles
         self.rule = rule
         self.manager = manager
-        self.targets = targets
+        self.grads = grads  # the tile's reduced fp32 gradient (a view)
+        self.weights = weights  # where its new compute-dtype weights go (a view)
         self.pipeline_read = pipeline_read
         self.pipeline_write = pipeline_write
         self.steps = [0] * groups  # optimizer steps taken, per param group
@@ -205,10 +199,10 @@ class TiledStep:
                 self._read_ahead(tile.index + 1, depth, block=False)
             segment = handle.wait()
             master, states = self._views(tile, segment)
-            target = self.targets(tile)
-            grad = target.grad if target.grad.device == master.device else target.grad.to(master.device)
+            grad = self.grads(tile)
+            grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
-            target.weight.copy_(master)
+            self.weights(tile).copy_(master)
             self.manager.release(handle, dirty=True)
             if not self.pipeline_write:
                 self.manager.flush()
@@ -218,13 +212,14 @@ class TiledStep:
             self.steps[group] += 1
 
     def _step_with(self, optimizer: torch.optim.Optimizer, on_tile) -> None:
-        targets = [self.targets(tile) for tile in self.tiles]
-        for param, target in zip(self.params, targets, strict=True):
-            param.grad = target.grad
+        """The user's optimizer on every tile at once. The weights are taken tile by tile afterwards, so
+        ``on_tile`` can write a unit's offloaded piece back before the next unit's is read."""
+        for tile, param in zip(self.tiles, self.params, strict=True):
+            param.grad = self.grads(tile)
         optimizer.step()
-        for tile, param, target in zip(self.tiles, self.params, targets, strict=True):
+        for tile, param in zip(self.tiles, self.params, strict=True):
             param.grad = None
-            target.weight.copy_(param.detach())
+            self.weights(tile).copy_(param.detach())
             if on_tile is not None:
                 on_tile(tile)
 
@@ -232,23 +227,18 @@ class TiledStep:
         """Copies every tile's master into ``into(tile)`` (an fp32 view): for checkpoints and tests."""
         self._visit(lambda tile, master: into(tile).copy_(master), dirty=False)
 
-    def load_masters(self, source: Callable[[Tile], torch.Tensor | None]) -> None:
-        """Overwrites the masters of the tiles for which ``source(tile)`` gives values (edited weights)."""
+    def load_masters(self, tiles: list[Tile], source: Callable[[Tile], torch.Tensor]) -> None:
+        """Overwrites the masters of ``tiles`` with ``source(tile)`` (edited weights); no other tile is read."""
+        self._visit(lambda tile, master: master.copy_(source(tile)), dirty=True, tiles=tiles)
 
-        def load(tile: Tile, master: torch.Tensor) -> bool:
-            values = source(tile)
-            if values is not None:
-                master.copy_(values)
-            return values is not None
-
-        self._visit(load, dirty=True)
-
-    def _visit(self, fn, *, dirty: bool) -> None:
+    def _visit(self, fn, *, dirty: bool, tiles: list[Tile] | None = None) -> None:
         self._drop_ahead()
-        for tile in self.tiles:
+        for tile in self.tiles if tiles is None else tiles:
             handle = self.manager.acquire(tile.name)
-            changed = fn(tile, handle.wait()[: tile.numel])
-            self.manager.release(handle, dirty=dirty and changed is not False)
+            try:
+                fn(tile, handle.wait()[: tile.numel])
+            finally:
+                self.manager.release(handle, dirty=dirty)
         self.manager.flush()
 
     def _drop_ahead(self) -> None:

@@ -97,6 +97,8 @@ class Run:
                 zero["offload_optimizer"]["nvme_path"] = nvme_path
             if self.pipeline:
                 zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True, buffer_count=3)
+            else:  # both are on by default: the others run each tile's read and write to completion
+                zero["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
         if self.param_device != "none":
             zero["offload_param"] = {"device": self.param_device, "nvme_path": nvme_path}
             if self.pipeline:

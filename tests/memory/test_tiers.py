@@ -3,13 +3,14 @@ ring, its ordering guarantee, its budget, its accounting and its cleanup."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from infinity.aio import AioHandle
-from infinity.errors import ConfigError, TierBudgetError
+from infinity.errors import AioError, ConfigError, TierBudgetError
 from infinity.memory import NvmeStore
 from infinity.memory.tiers import Residency, Tier, TierManager
 
@@ -99,6 +100,27 @@ def test_a_read_never_overtakes_a_pending_write_of_the_same_segment(tmp_path, pa
             tensor = again.wait()
             assert bool((tensor == round_ + 1).all()), f"round {round_}: read {tensor.unique()[:4].tolist()}"
             manager.release(again, dirty=False)
+        manager.flush()  # nothing in flight: the next acquire really reads the disk
+        fresh = manager.acquire("x")
+        assert fresh._request is not None and bool((fresh.wait() == 4.0).all())
+        manager.release(fresh, dirty=False)
+    finally:
+        manager.close()
+
+
+def test_failed_reads_do_not_use_up_the_ring(tmp_path):
+    """A read that fails at once (the swap file deleted) leaves its buffer free: more attempts than buffers
+    each give the same AioError naming the file, never a TierBudgetError."""
+    manager = nvme_manager(tmp_path, buffer_count=2)
+    manager.add("x", 1024, Tier.NVME)
+    manager.open()
+    try:
+        manager.initialize("x", lambda t: t.fill_(1.0))
+        manager.flush()
+        os.unlink(manager.store.swap_path)
+        for _ in range(5):
+            with pytest.raises(AioError, match="swap"):
+                manager.acquire("x")
     finally:
         manager.close()
 
@@ -133,7 +155,8 @@ def test_holding_every_buffer_and_acquiring_blocking_is_a_budget_error(tmp_path)
     manager.open()
     try:
         held = [manager.acquire(name, read=False) for name in "abc"]
-        with pytest.raises(TierBudgetError, match=r"all 3 NVMe staging buffers are held.*buffer_count"):
+        message = r"all 3 NVMe staging buffers of offload_optimizer are held.*offload_optimizer.buffer_count"
+        with pytest.raises(TierBudgetError, match=message):
             manager.acquire("d")
         for handle in held:
             manager.release(handle, dirty=False)
