@@ -403,3 +403,41 @@ def test_two_engines_offload_to_nvme_at_once(nvme):
         first.destroy()
         second.destroy()
     assert tree(nvme) == []
+
+
+def test_parameters_on_nvme_with_another_optimizer_evaluate_and_save(nvme, tmp_path):
+    """Stage 3 with parameters on NVMe and a torch optimizer offload cannot run itself (Adagrad: stepped by the
+    user's optimizer on the tiles), a ring of one staging buffer: training, an evaluation pass without gradients
+    and save_16bit_model give bitwise what the same run with parameters in device memory gives."""
+    results = {}
+    for params in ("none", "nvme"):
+        model = build("transformer")
+        config = engine_config(stage=3, micro=4, accumulation=1, lr=1e-2, clip=1.0)
+        del config["optimizer"]
+        zero = config["zero_optimization"]
+        zero.update(stage3_param_persistence_threshold=64, stage3_gather_16bit_weights_on_model_save=True)
+        if params == "nvme":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 1}
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+        engine, *_ = infinity.initialize(model=model, config=config, optimizer=optimizer)
+        losses = []
+        for step in range(3):
+            inputs, target = global_batch("transformer", step, 4)
+            loss = loss_fn("transformer", engine(inputs), target)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            inputs, _ = global_batch("transformer", 99, 4)
+            evaluation = engine(inputs).clone()
+        engine.save_16bit_model(tmp_path / f"saved-{params}")
+        if params == "nvme":
+            assert engine.stage3.table.shards.home.value == "nvme"
+            assert engine.tier_stats()["parameters"]["traffic"]["nvme_read"]["bytes"] > 0
+        engine.destroy()
+        saved = torch.load(tmp_path / f"saved-{params}" / "pytorch_model.bin")
+        results[params] = (losses, evaluation, saved)
+    (want_losses, want_eval, want_saved), (losses, evaluation, saved) = results["none"], results["nvme"]
+    assert losses == want_losses and torch.equal(evaluation, want_eval)
+    assert saved.keys() == want_saved.keys() and all(torch.equal(saved[k], want_saved[k]) for k in saved)
+    assert tree(nvme) == []
