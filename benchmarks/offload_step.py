@@ -11,12 +11,13 @@ per step, seconds blocked waiting for parameter and optimizer reads, and the dis
 the same swap store, measured in the same run (before the first mode and after the last). Targets:
 - nvme / cpu step-time ratio <= 1.15;
 - NVMe traffic during the optimizer step >= 0.8 of the measured bandwidth: (read bytes / read bandwidth + written
-  bytes / write bandwidth) / seconds in engine.step(), the share of the step the disk is busy;
+  bytes / write bandwidth) x ranks on the disk / seconds in engine.step(), the share of the step the disk is busy;
 - seconds blocked on parameter reads, after the first step, <= 10% of the step;
 - peak RSS at world size 1 with both on NVMe <= 3 GiB.
 Writes results/offload_step.json and .png.
 
     python benchmarks/offload_step.py --nvme-path /path/on/nvme --world-sizes 1 2 --steps 12
+    python benchmarks/offload_step.py --rederive   # recompute the derived shares and targets of the last JSON
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def summarise(mode: str, world_size: int, out: str, skip: int) -> dict:
     return summary
 
 
-def combine(runs: list[dict], bandwidth: dict) -> dict:
+def combine(runs: list[dict], bandwidth: dict, world_size: int) -> dict:
     """One mode's rounds: medians of the medians, the worst peak RSS, and the derived shares."""
     entry = {key: statistics.median(run[key] for run in runs) for key in runs[0] if not isinstance(runs[0][key], list)}
     entry["peak_rss_gib_per_rank"] = [
@@ -196,11 +197,19 @@ def combine(runs: list[dict], bandwidth: dict) -> dict:
     )
     entry["blocked_on_io_s"] = sum(entry[k] for k in entry if k.endswith("_blocked_s"))
     entry["parameter_read_blocked_share"] = entry["parameters_nvme_read_blocked_s"] / entry["median_step_s"]
-    if entry["optimizer_nvme_read_gb_per_step"]:
-        busy = (entry["optimizer_nvme_read_gb_per_step"] / bandwidth["read_gbps"]
-                + entry["optimizer_nvme_write_gb_per_step"] / bandwidth["write_gbps"])  # fmt: skip
-        entry["optimizer_step_disk_busy_share"] = busy / entry["median_optimizer_step_s"]
+    disk_busy_share(entry, bandwidth, world_size)
     return entry
+
+
+def disk_busy_share(entry: dict, bandwidth: dict, ranks_on_the_disk: int) -> None:
+    """The share of engine.step() the disk is busy: the bytes moved while it runs (every tile read and written;
+    at stage 3 with parameters on NVMe also the updated pieces written back) at the measured bandwidth, times the
+    ranks sharing the disk (on one machine every rank swaps to it at once), over the step's seconds."""
+    if not entry["optimizer_nvme_read_gb_per_step"]:
+        return
+    written = entry["optimizer_nvme_write_gb_per_step"] + entry["parameters_nvme_write_gb_per_step"]
+    busy = entry["optimizer_nvme_read_gb_per_step"] / bandwidth["read_gbps"] + written / bandwidth["write_gbps"]
+    entry["optimizer_step_disk_busy_share"] = busy * ranks_on_the_disk / entry["median_optimizer_step_s"]
 
 
 def targets(report: dict) -> dict:
@@ -266,12 +275,25 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks (12: GPT-2 small)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="compute threads per world")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "offload_step.json"))
+    parser.add_argument("--rederive", action="store_true", help="recompute shares and targets in --json, no run")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return 0
+    if args.rederive:
+        with open(args.json) as f:
+            report = json.load(f)
+        for world_size, modes in report["world_sizes"].items():
+            for entry in modes.values():
+                disk_busy_share(entry, report["disk_bandwidth_gbps"]["median"], int(world_size))
+        report["targets"] = targets(report)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        plot(report, os.path.splitext(args.json)[0] + ".png")
+        print(json.dumps(report["targets"], indent=1))
         return 0
     made = args.nvme_path is None
     if made:
@@ -294,7 +316,7 @@ def main() -> int:
         "disk_bandwidth_gbps": {"runs": bandwidth_runs, "median": bandwidth}, "world_sizes": {},
     }  # fmt: skip
     for (world_size, mode), runs in results.items():
-        report["world_sizes"].setdefault(str(world_size), {})[mode] = combine(runs, bandwidth)
+        report["world_sizes"].setdefault(str(world_size), {})[mode] = combine(runs, bandwidth, world_size)
     report["targets"] = targets(report)
     report["environment"] = {"python": platform.python_version(), "torch": torch.__version__,
                              "cpus": os.cpu_count(), "machine": platform.machine()}  # fmt: skip
