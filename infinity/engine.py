@@ -216,7 +216,39 @@ class Engine(nn.Module):
         self.stage3: Stage3 | None = None
         nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
         run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
-        offload = self._optimizer_offload(torch_optimizer, run_id)
+        offload = None
+        try:  # a failure from here on removes what was installed: hooks on the model, swap files
+            offload = self._optimizer_offload(torch_optimizer, run_id)
+            self._partition(torch_optimizer, offload, run_id)
+            self.lr_scheduler = self._scheduler(torch_optimizer, lr_scheduler)
+        except BaseException:
+            self._abandon(offload)
+            raise
+        self.optimizer = self.zero_optimizer
+        if zero.offload_param.enabled and self.comm.rank == 0:
+            logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
+                        self.stage3.table.shards.describe())  # fmt: skip
+        if zero.offload_optimizer.enabled and self.comm.rank == 0:
+            tiled = self.zero_optimizer.tiled
+            logger.info(
+                "optimizer offloaded to %s: %d tiles of <= %d elements; rank 0 holds %s",
+                zero.offload_optimizer.device, len(tiled.tiles), max(t.numel for t in tiled.tiles),
+                tiled.manager.describe(),
+            )  # fmt: skip
+        weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
+        self.loss_scaler = LossScaler.from_config(self.config.fp16)
+        self.training_dataloader = self._dataloader(training_data, collate_fn)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._step_started = time.perf_counter()
+        self._fetch_stats = FetchStats()
+        self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
+
+    def _partition(self, torch_optimizer: torch.optim.Optimizer, offload: Offload | None, run_id: str | None) -> None:
+        """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
+        zero = self.config.zero
         if zero.stage == 3:
             make_shards = parameter_shards(
                 zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
@@ -240,33 +272,26 @@ class Engine(nn.Module):
                 device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
-        self.optimizer = self.zero_optimizer
-        if zero.offload_param.enabled and self.comm.rank == 0:
-            logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
-                        self.stage3.table.shards.describe())  # fmt: skip
-        if zero.offload_optimizer.enabled and self.comm.rank == 0:
-            tiled = self.zero_optimizer.tiled
-            logger.info(
-                "optimizer offloaded to %s: %d tiles of <= %d elements; rank 0 holds %s",
-                zero.offload_optimizer.device, len(tiled.tiles), max(t.numel for t in tiled.tiles),
-                tiled.manager.describe(),
-            )  # fmt: skip
-        weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
-        self.loss_scaler = LossScaler.from_config(self.config.fp16)
+
+    def _scheduler(self, torch_optimizer: torch.optim.Optimizer, lr_scheduler):
         if self.config.scheduler is not None:
-            self.lr_scheduler = build_schedule(self.config.scheduler, torch_optimizer)
-        elif lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
-            self.lr_scheduler = lr_scheduler(torch_optimizer)
-        else:
-            self.lr_scheduler = lr_scheduler
-        self.training_dataloader = self._dataloader(training_data, collate_fn)
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self.last_grad_norm: float | None = None
-        self._step_started = time.perf_counter()
-        self._fetch_stats = FetchStats()
-        self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
+            return build_schedule(self.config.scheduler, torch_optimizer)
+        if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(torch_optimizer)
+        return lr_scheduler
+
+    def _abandon(self, offload: Offload | None) -> None:
+        """initialize() failed part way: remove the hooks and swap files made so far (the error is what matters)."""
+        zero_optimizer = getattr(self, "zero_optimizer", None)
+        try:
+            if zero_optimizer is not None:
+                zero_optimizer.close()
+            elif offload is not None:
+                offload.manager.close()
+            if self.stage3 is not None:
+                self.stage3.close()
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            logger.exception("cleaning up after a failed initialize()")
 
     def _optimizer_offload(self, optimizer: torch.optim.Optimizer, run_id: str | None) -> Offload | None:
         spec = self.config.zero.offload_optimizer

@@ -441,3 +441,31 @@ def test_parameters_on_nvme_with_another_optimizer_evaluate_and_save(nvme, tmp_p
     assert losses == want_losses and torch.equal(evaluation, want_eval)
     assert saved.keys() == want_saved.keys() and all(torch.equal(saved[k], want_saved[k]) for k in saved)
     assert tree(nvme) == []
+
+
+@pytest.mark.parametrize("failing", ["optimizer", "scheduler"])
+def test_a_failed_initialize_leaves_no_hooks_and_no_swap_files(nvme, failing):
+    """initialize() failing after the model was partitioned and the swap files made (the optimizer holds a tensor
+    that is not the model's, found while its tiles are laid out; or the scheduler factory raises): the error comes
+    through, and the model keeps no hook of the engine and nvme_path no file."""
+    model = build("transformer")
+    config = nvme_config(nvme, stage=3)
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme)}
+    kwargs = {}
+    if failing == "optimizer":
+        del config["optimizer"]
+        stray = torch.nn.Parameter(torch.zeros(3))
+        kwargs["optimizer"] = torch.optim.AdamW([*model.parameters(), stray], lr=1e-3)
+        expected, message = ConfigError, "not a parameter of the model"
+    else:
+
+        def broken_scheduler(optimizer):
+            raise RuntimeError("the scheduler factory failed")
+
+        kwargs["lr_scheduler"] = broken_scheduler
+        expected, message = RuntimeError, "the scheduler factory failed"
+    with pytest.raises(expected, match=message):
+        infinity.initialize(model=model, config=config, **kwargs)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert tree(nvme) == []
