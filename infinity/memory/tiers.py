@@ -298,11 +298,9 @@ class TierManager:
     def _wait(self, request: SegmentRequest, direction: str, nbytes: int) -> None:
         start = time.perf_counter()
         request.wait()
-        blocked = time.perf_counter() - start
-        for totals in (self._traffic[direction], self._window[direction]):
-            totals.bytes += nbytes
-            totals.requests += 1
-            totals.blocked_s += blocked
+        moved = Traffic(nbytes, 1, time.perf_counter() - start)
+        self._traffic[direction].add(moved)
+        self._window[direction].add(moved)
 
     def residency(self, name: str) -> Residency:
         """Where the segment's newest bytes are: in memory (RESIDENT), moving (IN_FLIGHT), or only on NVMe."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from infinity.memory.nvme_store import _human
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.partition import GroupLayout
 
@@ -160,7 +161,7 @@ class UnitShards:
 
     def describe(self) -> str:
         if self.flat is not None:
-            return f"{self.home.value} {self.flat.numel() * self.flat.element_size() / 2**20:.1f} MiB"
+            return f"{self.home.value} {_human(self.flat.numel() * self.flat.element_size())}"
         return self.manager.describe()
 
     # ---- whole shard ----
