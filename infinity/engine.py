@@ -32,6 +32,7 @@ from infinity.zero.init import take_whole
 from infinity.zero.optimizer import Offload, UnitOptimizer, ZeroOptimizer
 from infinity.zero.stage3 import Stage3, setup_stage3
 from infinity.zero.tiles import rule_for
+from infinity.zero.units import fill_units
 
 logger = logging.getLogger("infinity")
 
@@ -253,19 +254,20 @@ class Engine(nn.Module):
             make_shards = parameter_shards(
                 zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
             )
-            self.stage3, shard_fp32 = setup_stage3(
+            self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
-                full_value=take_whole, make_shards=make_shards,
+                make_shards=make_shards,
             )  # fmt: skip
             self.zero_optimizer = UnitOptimizer(
-                torch_optimizer, comm=self.comm, table=self.stage3.table, shard_fp32=shard_fp32,
+                torch_optimizer, comm=self.comm, table=self.stage3.table,
                 compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
                 sub_group_size=zero.sub_group_size,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
-            del shard_fp32
+            fill_units(self.stage3.table, comm=self.comm, full_value=take_whole,
+                       on_piece=self.zero_optimizer.initialize_piece)  # fmt: skip
         else:
             self.zero_optimizer = ZeroOptimizer(
                 torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,

@@ -364,7 +364,6 @@ class UnitOptimizer(PartitionedOptimizer):
         *,
         comm: Comm,
         table: UnitTable,
-        shard_fp32: torch.Tensor,
         compute_dtype: torch.dtype,
         device: torch.device,
         overlap_comm: bool,
@@ -398,9 +397,10 @@ class UnitOptimizer(PartitionedOptimizer):
             manager = TierManager(device=device)
             offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
         self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload)
+        self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
-            self.tiled.initialize(tile, shard_fp32[tile.start : tile.start + tile.numel])
-        self._tiles_as_parameters()
+            self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
+        self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         self.masters = []
         self.grad_shards = [self.grad_flat]  # norm, overflow and clipping see exactly the reduced gradient
@@ -422,6 +422,12 @@ class UnitOptimizer(PartitionedOptimizer):
             orphans = [p for p in unit.params if p.requires_grad and id(p) not in owner]
             self._track_frozen(orphans, functools.partial(on_param_grad, unit.index))
             self.grad_params_per_unit[unit.index] += len(orphans)
+
+    def initialize_piece(self, unit: Unit, piece: torch.Tensor) -> None:
+        """The unit's piece arrived (``fill_units``, fp32): its tiles' masters start from it."""
+        for tile in self._tiles_of_unit.get(unit.index, ()):
+            first = tile.start - unit.bucket.shard_offset
+            self.tiled.initialize(tile, piece[first : first + tile.numel])
 
     def _make_hook(self, unit_index: int, offset: int, on_param_grad: Callable[[int], None]):
         reducer = self.reducer

@@ -159,18 +159,16 @@ def setup_stage3(
     zero: ZeroConfig,
     dtype: torch.dtype,
     device: torch.device,
-    full_value,
     make_shards,
-) -> tuple[Stage3, torch.Tensor]:
-    """Partitions the model into units and installs the hooks. Returns the runtime and this rank's fp32 shard.
+) -> Stage3:
+    """Partitions the model into units and installs the hooks; the values move in with ``fill_units`` (units.py).
     Fetches get their own groups ([Note: fetch rendezvous] in coordinator.py): one for the units, and for the
     headers a gloo one where the units travel over NCCL (headers are small host tensors: no device sync)."""
     comm = distributed.comm
-    table, shard_fp32 = build_units(
+    table = build_units(
         model, comm=comm, dtype=dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
-        model_persistence_threshold=zero.stage3_model_persistence_threshold, full_value=full_value,
-        make_shards=make_shards, fp32_device=torch.device("cpu") if zero.offload_optimizer.enabled else None,
+        model_persistence_threshold=zero.stage3_model_persistence_threshold, make_shards=make_shards,
     )  # fmt: skip
     knobs = Knobs(
         max_live_numel=zero.stage3_max_live_parameters,
@@ -193,7 +191,7 @@ def setup_stage3(
             zero.stage3_param_persistence_threshold,
         )
     register_runtime(table.parameters(), stage3)  # how GatheredParameters finds it
-    return stage3, shard_fp32
+    return stage3
 
 
 def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:

@@ -181,15 +181,11 @@ def build_units(
     device: torch.device,
     persistence_threshold: int,
     model_persistence_threshold: int,
-    full_value: Callable[[nn.Parameter], torch.Tensor],
     make_shards: Callable[[GroupLayout, set[int]], UnitShards],
-    fp32_device: torch.device | None = None,
-) -> tuple[UnitTable, torch.Tensor]:
-    """Partitions ``model`` into units. ``full_value(param)`` gives a parameter's whole value (zero.Init shards
-    gather it). Every rank ends up with rank 0's values, as DeepSpeed broadcasts the model at start.
-    ``make_shards(layout, persistent units)`` makes the shard's home. Returns the table and this rank's shard in
-    fp32 (the optimizer's masters start from it) on ``fp32_device`` (default: ``device``; the host when the
-    optimizer is offloaded, so no fp32 copy of the shard is ever made in device memory)."""
+) -> UnitTable:
+    """Partitions ``model`` into units: the layout, the shard's home (``make_shards(layout, persistent units)``)
+    and which modules use which units. No values move yet: the parameters keep theirs until ``fill_units``, so
+    the optimizer's tiles can be made first and take their masters one unit at a time."""
     owners = _owners(model)
     persistent: list[nn.Parameter] = []
     per_module: list[tuple[str, list[nn.Parameter]]] = []
@@ -214,37 +210,17 @@ def build_units(
         runs.append(list(range(len(numels), len(numels) + len(group_shapes))))
         numels += [s.numel() for s in group_shapes]
     layout = layout_from_runs(0, numels, runs, world_size=comm.world_size)
-    shard_fp32 = torch.zeros(layout.shard_numel, dtype=torch.float32, device=fp32_device or device)
     shards = make_shards(layout, {0} if persistent else set())
     units, param_unit = [], {}
     for index, ((name, params), bucket) in enumerate(zip(groups, layout.buckets, strict=True)):
-        full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=device)
-        for slot, param in zip(bucket.slots, params, strict=True):
-            full[slot.offset : slot.offset + slot.numel].copy_(full_value(param).reshape(-1))
-        collectives.broadcast_(comm, full, src=0)
-        start, end = bucket.piece_range(comm.rank)
-        piece = slice(bucket.shard_offset, bucket.shard_offset + bucket.piece_numel)
-        shard_fp32[piece].copy_(full[start:end])
-        shards.store(index, full[start:end].to(dtype))
-        unit = Unit(
-            index=index,
-            name=name,
-            params=list(params),
-            shapes=shapes[index],
-            bucket=bucket,
-            persistent=name == "<persistent>",
-            full=full.to(dtype),
-        )
-        del full
+        full = torch.empty(bucket.padded_numel, dtype=dtype, device=device)
+        full.untyped_storage().resize_(0)  # allocated while gathered only
+        units.append(Unit(
+            index=index, name=name, params=list(params), shapes=shapes[index], bucket=bucket,
+            persistent=name == "<persistent>", full=full,
+        ))  # fmt: skip
         for position, param in enumerate(params):
             param_unit[id(param)] = (index, position)
-            param.ds_shape = shapes[index][position]  # DeepSpeed's attribute names, read by some integrations
-            param.ds_numel = shapes[index][position].numel()
-        if unit.persistent:
-            unit.attach()
-        else:
-            unit.release()
-        units.append(unit)
 
     modules, names, uses = [], [], []
     for path, module in model.named_modules():
@@ -257,11 +233,44 @@ def build_units(
             modules.append(module)
             names.append(path or "<root>")
             uses.append(tuple(used))
-    table = UnitTable(
+    return UnitTable(
         units=units, modules=modules, module_names=names, module_units=uses, layout=layout,
         shards=shards, param_unit=param_unit,
     )  # fmt: skip
-    return table, shard_fp32
+
+
+def fill_units(
+    table: UnitTable,
+    *,
+    comm: Comm,
+    full_value: Callable[[nn.Parameter], torch.Tensor],
+    on_piece: Callable[[Unit, torch.Tensor], None] | None = None,
+) -> None:
+    """Moves the parameters' values into the units, one unit at a time: ``full_value(param)`` gives a parameter's
+    whole value (zero.Init pieces are gathered), every rank takes rank 0's (as DeepSpeed broadcasts the model at
+    start), the rank's piece goes to its home in the compute dtype and ``on_piece(unit, fp32 piece)`` (the
+    optimizer's masters) sees it in fp32. So no more than one unit is ever whole here, and no whole fp32 shard is
+    made anywhere."""
+    for unit in table.units:
+        bucket = unit.bucket
+        full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=unit.full.device)
+        for slot, param in zip(bucket.slots, unit.params, strict=True):
+            full[slot.offset : slot.offset + slot.numel].copy_(full_value(param).reshape(-1))
+        collectives.broadcast_(comm, full, src=0)
+        start, end = bucket.piece_range(comm.rank)
+        table.shards.store(unit.index, full[start:end].to(unit.full.dtype))
+        if on_piece is not None:
+            on_piece(unit, full[start:end])
+        for param, shape in zip(unit.params, unit.shapes, strict=True):
+            param.ds_shape = shape  # DeepSpeed's attribute names, read by some integrations
+            param.ds_numel = shape.numel()
+        if unit.persistent:
+            unit.allocate().copy_(full)
+            del full
+            unit.attach()
+        else:
+            del full
+            unit.release()
 
 
 def _shape(param: nn.Parameter) -> torch.Size:
