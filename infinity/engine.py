@@ -24,8 +24,8 @@ from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import ConfigError
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import return_freed_memory
-from infinity.memory.offload import agree_run_id, optimizer_tiers, parameter_shards, tile_numel
+from infinity.memory.host import return_freed_memory, trim_heap
+from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers, parameter_shards, tile_numel
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
@@ -226,6 +226,7 @@ class Engine(nn.Module):
             self._abandon(offload)
             raise
         self.optimizer = self.zero_optimizer
+        trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         if zero.offload_param.enabled and self.comm.rank == 0:
             logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
                         self.stage3.table.shards.describe())  # fmt: skip
@@ -236,6 +237,8 @@ class Engine(nn.Module):
                 zero.offload_optimizer.device, len(tiled.tiles), max(t.numel for t in tiled.tiles),
                 tiled.manager.describe(),
             )  # fmt: skip
+            if tiled.gradients is not None:
+                logger.info("gradients on nvme with the optimizer; rank 0 holds %s", tiled.gradients.manager.describe())
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
@@ -290,6 +293,8 @@ class Engine(nn.Module):
                 zero_optimizer.close()
             elif offload is not None:
                 offload.manager.close()
+                if offload.gradients is not None:
+                    offload.gradients.close()
             if self.stage3 is not None:
                 self.stage3.close()
         except Exception:  # noqa: BLE001 - the original error is the one to report
@@ -308,19 +313,22 @@ class Engine(nn.Module):
             tile_numel=tile_numel(self.config.zero, state_width=width, nvme=nvme),
             pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
             pipeline_write=spec.pipeline_write or not nvme,
+            gradients=gradient_tier(self.config.zero, self.config.aio, self.comm, run_id=run_id),
         )
 
     def _tier_managers(self) -> dict:
         managers = {}
         if self.zero_optimizer.tiled is not None:
             managers["optimizer"] = self.zero_optimizer.tiled.manager
+            if self.zero_optimizer.tiled.gradients is not None:
+                managers["gradients"] = self.zero_optimizer.tiled.gradients.manager
         if self.stage3 is not None and self.stage3.table.shards.manager is not None:
             managers["parameters"] = self.stage3.table.shards.manager
         return managers
 
     def tier_stats(self) -> dict:
-        """This rank's offloaded state: per owner ("optimizer", "parameters"), bytes per tier and the NVMe traffic
-        so far (bytes, requests, seconds blocked waiting)."""
+        """This rank's offloaded state: per owner ("optimizer", "gradients", "parameters"), bytes per tier and the
+        NVMe traffic so far (bytes, requests, seconds blocked waiting)."""
         return {owner: manager.stats().as_dict() for owner, manager in self._tier_managers().items()}
 
     # ---- DeepSpeed's getters ----
@@ -374,7 +382,9 @@ class Engine(nn.Module):
         start = time.perf_counter()
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale
-        self.zero_optimizer.begin_backward(scaled, boundary=self.is_gradient_accumulation_boundary())
+        self.zero_optimizer.begin_backward(
+            scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale
+        )
         scaled.backward()
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released

@@ -7,6 +7,11 @@ and gradient buffers of many sizes, so the heap grows: measured on GPT-2 124M wi
 NVMe (fp32, world size 1, 4 steps), peak RSS 9.4 GiB with glibc's default against 3.9 GiB with the threshold fixed
 at 1 MiB, which also stops the adjustment; the steps were no slower (median 14.9 s vs 17.3 s). So the engine
 fixes it, once, unless the user set it (the environment variable MALLOC_MMAP_THRESHOLD_).
+
+Blocks allocated before that (the user's model, built before initialize()) may sit in the heap: once
+initialize() has moved their values into the shards and freed them, ``trim_heap`` gives their pages back
+(malloc_trim releases free pages anywhere in the heap, not only at its top). Measured: a 96 MiB MLP built in the
+heap stayed in RSS after its parameters went to NVMe, until trimmed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,21 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 _done = False
 
 
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name or "libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> bool:
+    """Gives the heap's free pages back to the kernel (glibc's malloc_trim); False where there is no such call."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    return bool(trim is not None and trim(0))
+
+
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold at 1 MiB (see the module docstring). False where it does not apply: another
     libc, or the user chose the threshold."""
@@ -30,11 +50,8 @@ def return_freed_memory() -> bool:
     if _done or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     _done = True
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
         return False

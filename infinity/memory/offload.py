@@ -68,6 +68,17 @@ def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: 
     return make
 
 
+def gradient_tier(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None) -> TierManager | None:
+    """Stage 3 with the optimizer on NVMe: the gradient's tier ([Note: swapped gradients] in zero/grads.py), a
+    ring as deep as the optimizer's (a tile's gradient is read ahead with its states)."""
+    spec = zero.offload_optimizer
+    if zero.stage != 3 or spec.device != "nvme":
+        return None
+    handle = AioHandle.from_settings(aio)
+    store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-gradients")
+    return TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 3), pin_memory=spec.pin_memory)
+
+
 def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None) -> tuple[TierManager, Tier]:
     """The tier manager for offload_optimizer: host homes (device cpu) or the rank's swap store (nvme)."""
     spec = zero.offload_optimizer

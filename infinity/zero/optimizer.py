@@ -22,6 +22,7 @@ from infinity.errors import ConfigError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
+from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.partition import GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.tiles import Tile, TiledStep, cut, rule_for
@@ -38,6 +39,7 @@ class Offload:
     tile_numel: int
     pipeline_read: bool
     pipeline_write: bool
+    gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +89,9 @@ class PartitionedOptimizer:
             self.tiled.prefetch()
 
     # ---- backward ----
-    def begin_backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+    def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
         """Before ``loss.backward()``: parameters that will get no gradient count as done at once
-        ([Note: unused parameters] in unused.py)."""
+        ([Note: unused parameters] in unused.py). ``loss_scale``: what the loss was multiplied by (fp16)."""
         self.reducer.begin_backward(boundary=boundary)
         reached = reachable_leaves(loss)
         if reached is None:
@@ -111,8 +113,7 @@ class PartitionedOptimizer:
     def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
         self._collect_grads()
         if loss_scale != 1.0:
-            for grad in self.grad_shards:
-                grad.mul_(1.0 / loss_scale)
+            self._scale_grads(1.0 / loss_scale)
         if check_overflow and self._overflow_anywhere():
             self.zero_grad()
             return StepResult(stepped=False, grad_norm=math.inf)
@@ -120,8 +121,7 @@ class PartitionedOptimizer:
         if clip_norm > 0:
             coefficient = min(clip_norm / (norm + 1e-6), 1.0)
             if coefficient < 1.0:
-                for grad in self.grad_shards:
-                    grad.mul_(coefficient)
+                self._scale_grads(coefficient)
         if self.tiled is not None:
             self._step_tiles()
         else:
@@ -137,6 +137,10 @@ class PartitionedOptimizer:
     def _collect_grads(self) -> None:
         """Brings the reduced gradients into grad_shards (stages 0-2 reduce straight into them)."""
 
+    def _scale_grads(self, factor: float) -> None:
+        for grad in self.grad_shards:
+            grad.mul_(factor)
+
     def _publish_weights(self) -> None:
         raise NotImplementedError
 
@@ -148,16 +152,23 @@ class PartitionedOptimizer:
         shard with the masters in place (stage 3). Reads the tiles when offloaded (for checkpoints, tests)."""
         raise NotImplementedError
 
+    def _local_overflow(self) -> bool:
+        return any(not torch.isfinite(grad).all() for grad in self.grad_shards)
+
     def _overflow_anywhere(self) -> bool:
-        local = any(not torch.isfinite(grad).all() for grad in self.grad_shards)
-        flag = torch.tensor([1.0 if local else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if self._local_overflow() else 0.0], device=self.device)
         return bool(collectives.all_reduce_max_(self.comm, flag).item())
 
-    def global_grad_norm(self) -> float:
-        """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
+    def _local_squares(self) -> torch.Tensor:
+        """This rank's share of the squared global norm, float64, on the device."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
         for grad in self.grad_shards:
             squares += torch.linalg.vector_norm(grad).double().to(self.device) ** 2
+        return squares
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
+        squares = self._local_squares()
         if self.stage > 0:
             collectives.all_reduce_sum_(self.comm, squares)
         return math.sqrt(squares.item())
@@ -390,23 +401,32 @@ class UnitOptimizer(PartitionedOptimizer):
                 if owner.setdefault(id(param), g) != g:
                     raise ConfigError(f"a parameter appears in optimizer param groups {owner[id(param)]} and {g}")
                 expected[found[0].index] += 1
-        self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
         # Tiles follow the shard itself (no gather of the masters; gradients and weights are views), in device
         # memory without offload: offloaded or not, the same tiles step, so the results are the same.
         if offload is None:
             manager = TierManager(device=device)
             offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
         self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload)
+        self.gradients: SwappedGradients | None = None
+        self._grad_factors: list[float] = []
+        if offload.gradients is not None:
+            offsets = {unit.index: unit.bucket.shard_offset for unit in table.units}
+            self.gradients = SwappedGradients(self.tiled.tiles, offload.gradients, unit_offsets=offsets)
+            self.tiled.gradients = self.gradients
+            self.grad_flat = None  # [Note: swapped gradients]
+        else:
+            self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
         self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
             self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
         self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         self.masters = []
-        self.grad_shards = [self.grad_flat]  # norm, overflow and clipping see exactly the reduced gradient
+        self.grad_shards = [] if self.grad_flat is None else [self.grad_flat]
         self.reducer = GradientReducer(
-            comm=comm, stage=3, layouts=(table.layout,), grad_shards=[self.grad_flat], shard_rank=comm.rank,
+            comm=comm, stage=3, layouts=(table.layout,), grad_shards=self.grad_shards, shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
+            deliver=None if self.gradients is None else self.gradients.deliver,
         )  # fmt: skip
         self._hooks = []
         self._no_grad_marks = {}
@@ -446,6 +466,32 @@ class UnitOptimizer(PartitionedOptimizer):
     def _tile_grad(self, tile: Tile) -> torch.Tensor:
         return self.grad_flat[tile.start : tile.start + tile.numel]
 
+    def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
+        if self.gradients is not None:
+            self.gradients.begin_backward(boundary=boundary, loss_scale=loss_scale)
+        super().begin_backward(loss, boundary=boundary, loss_scale=loss_scale)
+
+    def _scale_grads(self, factor: float) -> None:
+        if self.gradients is not None:
+            self._grad_factors.append(factor)  # applied per tile as it steps
+        else:
+            super()._scale_grads(factor)
+
+    def _local_overflow(self) -> bool:
+        return self.gradients.nonfinite if self.gradients is not None else super()._local_overflow()
+
+    def _local_squares(self) -> torch.Tensor:
+        """Per unit piece holding tiles, summed in unit order, wherever the gradient lives ([Note: swapped
+        gradients] in grads.py)."""
+        total = 0.0
+        for unit in sorted(self._tiles_of_unit):
+            if self.gradients is not None:
+                total += self.gradients.squares.get(unit, 0.0)
+            else:
+                bucket = self.table.layout.buckets[unit]
+                total += piece_squares(self.grad_flat[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
+        return torch.tensor([total], dtype=torch.float64, device=self.device)
+
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
         """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed)."""
         first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
@@ -458,7 +504,7 @@ class UnitOptimizer(PartitionedOptimizer):
             if tile.index == last[tile.piece]:
                 self.table.shards.commit(tile.piece)  # offloaded shards go back, behind the next tiles
 
-        self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer)
+        self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
         self._regather_persistent()
 
     def fp32_shards(self) -> list[torch.Tensor]:
@@ -483,7 +529,12 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.load_masters([t for t in self.tiled.tiles if t.piece == unit.index], edited)
 
     def zero_grad(self) -> None:
-        self.grad_flat.zero_()
+        self._grad_factors.clear()
+        if self.gradients is not None:
+            self.tiled.drop_gradients_ahead()
+            self.gradients.zero()
+        else:
+            self.grad_flat.zero_()
 
 
 def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:

@@ -17,6 +17,7 @@ with unused parameters contribute zeros) and waits for all of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,8 @@ class GradientReducer:
     keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
     max_in_flight: int | None = 2  # reductions in flight before the oldest is waited for; None: never wait
     # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous])
+    deliver: Callable[[int, torch.Tensor], None] | None = None  # stage 3, gradients on NVMe: (unit, reduced
+    # piece) goes there instead of into grad_shards ([Note: swapped gradients] in grads.py)
     peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
     peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
     _waiting_bytes: int = 0
@@ -146,17 +149,22 @@ class GradientReducer:
             if slot.offset not in state.written:
                 state.buffer[slot.offset : slot.offset + slot.numel].zero_()
         state.written.clear()
-        shard = self.grad_shards[bucket.group]
-        target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+        if self.deliver is None:
+            shard = self.grad_shards[bucket.group]
+            target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+        else:
+            target = None
         buffer = state.buffer
         if self.stage >= 2:
             piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
             state.buffer = None  # back to the spares once the collective is done with it
 
-            def finish(piece=piece, target=target, buffer=buffer):
-                # A copy to the host must be complete before the add reads it: no non_blocking here.
-                target.add_(piece.to(target.device, non_blocking=target.device == piece.device))
+            def finish(piece=piece, target=target, buffer=buffer, index=bucket.index):
+                if target is None:
+                    self.deliver(index, piece)
+                else:  # A copy to the host must be complete before the add reads it: no non_blocking here.
+                    target.add_(piece.to(target.device, non_blocking=target.device == piece.device))
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 if self.keep_spares:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)

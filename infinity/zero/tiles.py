@@ -134,8 +134,12 @@ class TiledStep:
         groups: int,
         pipeline_read: bool = True,
         pipeline_write: bool = True,
+        gradients=None,
     ) -> None:
+        """``gradients``: a SwappedGradients (grads.py) when the gradient is on NVMe too; it is read ahead with
+        the tiles, and ``grads`` is not used."""
         self.tiles = tiles
+        self.gradients = gradients
         self.rule = rule
         self.manager = manager
         self.grads = grads  # the tile's reduced fp32 gradient (a view)
@@ -150,6 +154,7 @@ class TiledStep:
 
         manager.open()
         self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
+        self._grads_ahead: dict[int, SegmentHandle] = {}  # the same for swapped gradients
 
     def initialize(self, tile: Tile, master: torch.Tensor) -> None:
         """The tile's first value: ``master`` (fp32, its elements) and zero states."""
@@ -174,20 +179,28 @@ class TiledStep:
 
     def _read_ahead(self, first: int, count: int, *, block: bool) -> None:
         for index in range(first, min(first + count, len(self.tiles))):
-            if index in self._ahead:
-                continue
-            handle = self.manager.acquire(self.tiles[index].name, block=block)
-            if handle is None:
-                return
-            self._ahead[index] = handle
+            tile = self.tiles[index]
+            if index not in self._ahead:
+                handle = self.manager.acquire(tile.name, block=block)
+                if handle is None:
+                    return
+                self._ahead[index] = handle
+            if self.gradients is not None and index not in self._grads_ahead:
+                handle = self.gradients.acquire(tile, block=block)
+                if handle is None:
+                    return
+                self._grads_ahead[index] = handle
 
     def as_parameters(self) -> list[torch.nn.Parameter]:
         """For a rule without update: each tile's master as a parameter sharing its memory (homes in memory)."""
         self.params = [torch.nn.Parameter(self.manager.acquire(t.name).tensor[: t.numel]) for t in self.tiles]
         return self.params
 
-    def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None, optimizer=None) -> None:
-        """One optimizer step over every tile; ``on_tile(tile)`` after each tile's weights are published."""
+    def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None, optimizer=None, *,
+             grad_factors: Sequence[float] = ()) -> None:  # fmt: skip
+        """One optimizer step over every tile; ``on_tile(tile)`` after each tile's weights are published.
+        ``grad_factors``: swapped gradients are multiplied by these in turn first (unscale, clip), as in-memory
+        ones were before the step."""
         if self.rule.update is None:
             self._step_with(optimizer, on_tile)
             return
@@ -199,11 +212,19 @@ class TiledStep:
                 self._read_ahead(tile.index + 1, depth, block=False)
             segment = handle.wait()
             master, states = self._views(tile, segment)
-            grad = self.grads(tile)
-            grad = grad if grad.device == master.device else grad.to(master.device)
+            grad_handle = self._grads_ahead.pop(tile.index, None)
+            if grad_handle is not None:
+                grad = grad_handle.wait()
+                for factor in grad_factors:
+                    grad.mul_(factor)
+            else:
+                grad = self.grads(tile)
+                grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
             self.weights(tile).copy_(master)
             self.manager.release(handle, dirty=True)
+            if grad_handle is not None:
+                self.gradients.release(grad_handle)
             if not self.pipeline_write:
                 self.manager.flush()
             if on_tile is not None:
@@ -245,10 +266,21 @@ class TiledStep:
         for handle in self._ahead.values():
             self.manager.release(handle, dirty=False)
         self._ahead.clear()
+        self.drop_gradients_ahead()
+
+    def drop_gradients_ahead(self) -> None:
+        """Gradients read ahead for a step that did not happen (fp16 overflow) are stale in the next window."""
+        for handle in self._grads_ahead.values():
+            self.gradients.release(handle)
+        self._grads_ahead.clear()
 
     def state_bytes(self) -> int:
         return sum(tile.numel * self.width * 4 for tile in self.tiles)
 
     def close(self) -> None:
-        self._drop_ahead()
-        self.manager.close()
+        try:
+            self._drop_ahead()
+        finally:
+            self.manager.close()
+            if self.gradients is not None:
+                self.gradients.close()

@@ -11,7 +11,8 @@ real disk); none may be left once the runs end.
 
 Covered (6 steps, gradient accumulation 2, clipping 1.0 unless said): the transformer at stages 1-3 with cpu and
 nvme, GPT-2 at stages 1-3 with nvme (AdamW from the config); bf16 (transformer stage 2, GPT-2 stage 3, nvme); fp16
-with overflow-skipped steps; many tiles per group (sub_group_size 64 and 100) with and without pipelined reads and
+with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe keeps its gradient there too, [Note: swapped
+gradients]); many tiles per group (sub_group_size 64 and 100) with and without pipelined reads and
 writes, which must also equal the one-tile run; torch.optim.SGD (momentum, dampening) and torch.optim.Adam (weight
 decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by group;
 a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without clipping.
@@ -122,7 +123,8 @@ OFFLOADED = (
     + [Run("gpt2", stage, "nvme") for stage in (1, 2, 3)]
     + [Run("transformer", 2, "nvme", "bf16"), Run("gpt2", 3, "nvme", "bf16")]
     # fp16 from a high loss scale: the first steps overflow and are skipped, with reads ahead in the ring
-    + [Run("transformer", 2, "nvme", "fp16", sub_group_size=64, pipeline=True)]
+    + [Run("transformer", 2, "nvme", "fp16", sub_group_size=64, pipeline=True),
+       Run("transformer", 3, "nvme", "fp16", sub_group_size=64, pipeline=True)]
     # many tiles per group (sub_group_size is rounded down to a multiple of 64 elements), with and without the ring
     + [Run("transformer", 2, "nvme", sub_group_size=100), Run("gpt2", 2, "nvme", sub_group_size=64, pipeline=True),
        Run("transformer", 3, "nvme", sub_group_size=64, pipeline=True)]
@@ -350,9 +352,10 @@ def test_the_runs_exercise_what_they_claim(results):
     for rank_results in per_rank:
         assert max(rank_results[Run("gpt2", 3).key]["norms"]) > 1.0
         assert max(rank_results[Run("transformer", 3).key]["norms"]) < 1.0
-        fp16 = Run("transformer", 2, "nvme", "fp16", sub_group_size=64, pipeline=True)
-        assert 0 < rank_results[fp16.key]["skipped"] < STEPS
-        assert rank_results[fp16.key]["skipped"] == rank_results[fp16.without_offload().key]["skipped"]
+        for stage in (2, 3):
+            fp16 = Run("transformer", stage, "nvme", "fp16", sub_group_size=64, pipeline=True)
+            assert 0 < rank_results[fp16.key]["skipped"] < STEPS
+            assert rank_results[fp16.key]["skipped"] == rank_results[fp16.without_offload().key]["skipped"]
         fp32, bf16 = rank_results[Run("gpt2", 3).key], rank_results[Run("gpt2", 3, precision="bf16").key]
         assert fp32["losses"] != bf16["losses"]
         for stage, optimizer in ((2, "sgd"), (1, "adam-amsgrad")):

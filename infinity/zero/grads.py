@@ -1,0 +1,108 @@
+"""Stage 3 with the optimizer on NVMe: the rank's reduced gradient lives on NVMe too, tile by tile.
+
+[Note: swapped gradients]
+Without it the rank keeps its whole gradient shard in fp32 (4 bytes per element): on one rank as much as the
+parameters themselves in fp32, and the one part of the training state that would still grow with the model in
+host memory. Here each optimizer tile ([Note: tiles] in tiles.py) has a gradient segment in its own tier
+manager (a ring of buffer_count tile-sized buffers, a swap store beside the optimizer's). When a unit's
+gradient has been reduce-scattered, its piece is cut along the unit's tiles: the first micro-step of an
+accumulation window writes each tile's part, later ones read, add and write it back. The step reads each tile's
+gradient ahead together with its master and states.
+
+What the step needs of the whole gradient is computed as the pieces arrive at the boundary's backward: each
+unit piece's sum of squares (of the accumulated gradient, unscaled by the loss scale: for the global norm and
+clipping) and whether any element is not finite (fp16's overflow check). The unscale and clipping factors are
+applied per tile when it steps. The in-memory stage 3 path computes the same per-piece squares and sums them in
+unit order, so clipping gives bitwise the same result with gradients in memory or on NVMe, whatever the tile
+size (a per-tile norm would round differently for every sub_group_size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.memory.tiers import SegmentHandle, Tier, TierManager
+from infinity.zero.tiles import Tile
+
+
+def piece_squares(grad: torch.Tensor) -> float:
+    """A unit piece's share of the squared global norm (fp32 norm, squared in fp64), as both homes compute it."""
+    return float(torch.linalg.vector_norm(grad).double() ** 2)
+
+
+class SwappedGradients:
+    """The rank's gradient, one NVMe segment per optimizer tile ([Note: swapped gradients])."""
+
+    def __init__(self, tiles: list[Tile], manager: TierManager, *, unit_offsets: dict[int, int]) -> None:
+        """``unit_offsets``: where each unit's piece starts in the rank's flat shard (tiles are placed in it)."""
+        self.tiles = tiles
+        self.manager = manager
+        self._by_unit: dict[int, list[Tile]] = {}
+        for tile in tiles:
+            self._by_unit.setdefault(tile.piece, []).append(tile)
+            manager.add(self._name(tile), tile.numel, Tier.NVME)
+        self._unit_offsets = unit_offsets
+        if tiles:
+            manager.open()
+        self.written: set[int] = set()  # tiles holding a gradient in this accumulation window
+        self.squares: dict[int, float] = {}  # unit -> its piece's share, at the boundary
+        self.nonfinite = False
+        self._boundary = False
+        self._unscale = 1.0
+
+    @staticmethod
+    def _name(tile: Tile) -> str:
+        return f"grad.{tile.name}"
+
+    def begin_backward(self, *, boundary: bool, loss_scale: float) -> None:
+        self._boundary = boundary
+        self._unscale = 1.0 / loss_scale
+
+    def deliver(self, unit: int, piece: torch.Tensor) -> None:
+        """The unit's reduced piece of this micro-step (fp32): added to each of its tiles' gradients."""
+        offset = self._unit_offsets[unit]
+        tiles = self._by_unit.get(unit, ())
+        if not tiles:
+            return
+        accumulated = piece  # at the boundary: the window's sum over the whole piece, for its norm
+        if self._boundary and any(tile.index in self.written for tile in tiles):
+            accumulated = piece.clone()
+        for tile in tiles:
+            first = tile.start - offset
+            values = piece[first : first + tile.numel]
+            if tile.index in self.written:
+                handle = self.manager.acquire(self._name(tile))
+                grad = handle.wait()
+                grad.add_(values)
+                if accumulated is not piece:
+                    accumulated[first : first + tile.numel].copy_(grad)
+            else:
+                handle = self.manager.acquire(self._name(tile), read=False)
+                handle.tensor.copy_(values)
+                self.written.add(tile.index)
+            self.manager.release(handle, dirty=True)
+        if self._boundary:
+            unscaled = accumulated if self._unscale == 1.0 else accumulated * self._unscale
+            self.squares[unit] = piece_squares(unscaled)
+            self.nonfinite = self.nonfinite or not bool(torch.isfinite(accumulated).all())
+
+    def acquire(self, tile: Tile, *, block: bool) -> SegmentHandle | None:
+        """The tile's gradient for the step (zeros if it got none in this window)."""
+        if tile.index in self.written:
+            return self.manager.acquire(self._name(tile), block=block)
+        handle = self.manager.acquire(self._name(tile), block=block, read=False)
+        if handle is not None:
+            handle.tensor.zero_()
+        return handle
+
+    def release(self, handle: SegmentHandle) -> None:
+        self.manager.release(handle, dirty=False)
+
+    def zero(self) -> None:
+        """A new accumulation window: the next pieces overwrite."""
+        self.written.clear()
+        self.squares = {}
+        self.nonfinite = False
+
+    def close(self) -> None:
+        self.manager.close()
