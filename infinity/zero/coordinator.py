@@ -1,17 +1,7 @@
 """The ZeRO-3 fetch coordinator: records the trace, fetches and prefetches units, releases them, never hangs.
 
-[Note: fetch rendezvous]
-Every all-gather must be issued in the same order on every rank, even when ranks run different modules (a
-rank-dependent branch) or plan different prefetches. So no rank ever all-gathers on its own: a rank that wants
-units (needed now, or planned as prefetch along its trace) first takes part in a small exchange on the fetch
-group, a header listing them; then every rank all-gathers the union of all ranks' lists, in unit order (a unit
-this rank did not ask for goes into a scratch buffer and is dropped). The sequence of collectives is thus a
-function of the exchanged headers alone, identical on every rank, whatever each rank's trace or state.
-A rank with nothing to ask issues nothing: on an agreed trace every rank asks at the same events (identical
-traces, identical plans), and a rank whose header finds the others elsewhere simply waits until they ask next.
-A rank that finishes its pass keeps answering with "done" headers (the drain in end_pass) until every rank is
-done, so a request is always answered. Gradient reductions use the other group, so their timing never
-interleaves with fetches. With one process there is nothing to exchange.
+Fetches go through the rendezvous of rendezvous.py ([Note: fetch rendezvous] there): the coordinator decides
+what to ask for and what to keep, the rendezvous how ranks agree on the all-gathers.
 
 [Note: release after backward]
 In backward a unit is released when nothing of that backward can read it any more: every module use that
@@ -34,8 +24,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from infinity.zero import collectives
 from infinity.zero.collectives import Comm
+from infinity.zero.rendezvous import FetchRendezvous, gather_for_others
 from infinity.zero.schedule import (
     BACKWARD,
     FORWARD,
@@ -47,11 +37,9 @@ from infinity.zero.schedule import (
     plan_swap_in,
     used_between,
 )
-from infinity.zero.units import UnitState, UnitTable, gather_piece
+from infinity.zero.units import UnitState, UnitTable
 
 logger = logging.getLogger("infinity")
-
-_DONE = -2  # header status of a rank that has finished its pass
 
 
 @dataclass(slots=True)
@@ -128,15 +116,15 @@ class Residency:
 
 class Coordinator:
     """Runtime of ZeRO-3 fetching: follows and records the trace, asks schedule.py what to prefetch and
-    release, and fetches through the rendezvous ([Note: fetch rendezvous])."""
+    release, and fetches through the rendezvous ([Note: fetch rendezvous] in rendezvous.py)."""
 
     def __init__(self, table: UnitTable, comm: Comm, knobs: Knobs, *, header_comm: Comm | None = None) -> None:
         self.table = table
         self.comm = comm  # the fetch group: unit all-gathers
-        self.header_comm = header_comm or comm  # the rendezvous headers: host tensors, so a gloo group
         self.knobs = knobs
         self._numel = tuple(unit.numel for unit in table.units)
-        self._width = max(16, max(len(u) for u in table.module_units))  # units per header round
+        widest = max(len(u) for u in table.module_units)
+        self._rendezvous = FetchRendezvous(header_comm or comm, widest_request=widest)  # headers: a gloo group
         self._traces: dict[bool, Trace] = {}  # by grad mode: a training pass and an eval forward differ
         self._seen_signatures: set[int] = set()
         self._resident = Residency()
@@ -305,7 +293,7 @@ class Coordinator:
         for index in indices:
             self.table.units[index].wait()
         wanted = [i for i in indices if self.table.units[i].state is UnitState.RELEASED]
-        union = self._rendezvous(wanted) if self.comm.active else wanted
+        union = self._rendezvous.ask(wanted) if self.comm.active else wanted
         for index in union:
             if index in wanted:
                 self.table.units[index].gather(self.comm, self.table.shards, async_op=False)
@@ -354,10 +342,10 @@ class Coordinator:
         self._pass.position = -1
 
     def _fetch(self, needs: list[int], prefetch: list[int]) -> None:
-        """[Note: fetch rendezvous]: needs are gathered now, prefetches asynchronously."""
+        """[Note: fetch rendezvous] in rendezvous.py: needs are gathered now, prefetches asynchronously."""
         if not needs and not prefetch:
             return
-        union = sorted(set(needs) | set(prefetch)) if not self.comm.active else self._rendezvous(needs + prefetch)
+        union = self._rendezvous.ask(needs + prefetch) if self.comm.active else sorted(set(needs) | set(prefetch))
         for index in union:
             if index in needs:
                 self._gather(index, async_op=False)
@@ -380,37 +368,8 @@ class Coordinator:
 
     def _drain(self) -> None:
         """Answer other ranks' requests until every rank is done with its pass."""
-        if not self.comm.active:
-            return
-        while True:
-            first, union = self._rounds(_DONE, [])
-            if bool((first[:, 0] == _DONE).all()):
-                return
-            for index in union:
-                self._gather_for_others(index)
-
-    def _rendezvous(self, wanted: list[int]) -> list[int]:
-        _, union = self._rounds(0, wanted)
-        return union
-
-    def _rounds(self, status: int, wanted: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """All-gathers headers [status, more, up to ``width`` units] until no rank has more to list. Returns
-        every rank's first header and the union of all listed units, in unit order."""
-        union: set[int] = set()
-        first = None
-        remaining = list(wanted)
-        while True:
-            chunk, remaining = remaining[: self._width], remaining[self._width :]
-            row = torch.full((2 + self._width,), -1, dtype=torch.int64)
-            row[0], row[1] = status, 1 if remaining else 0
-            row[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
-            rows = torch.empty(self.header_comm.world_size * row.numel(), dtype=torch.int64)
-            collectives.all_gather_pieces(self.header_comm, rows, row, async_op=False)
-            rows = rows.view(self.header_comm.world_size, -1)
-            first = rows if first is None else first
-            union.update(int(u) for u in rows[:, 2:].flatten().tolist() if u >= 0)
-            if not bool((rows[:, 1] == 1).any()):
-                return first, sorted(union)
+        if self.comm.active:
+            self._rendezvous.drain(self._gather_for_others)
 
     def _gather(self, index: int, *, async_op: bool) -> None:
         self.table.units[index].gather(self.comm, self.table.shards, async_op=async_op)
@@ -419,9 +378,7 @@ class Coordinator:
         self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._resident.live_numel)
 
     def _gather_for_others(self, index: int) -> None:
-        unit = self.table.units[index]
-        scratch = torch.empty(unit.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
-        gather_piece(self.comm, self.table.shards, index, unit.bucket, scratch, async_op=False)
+        gather_for_others(self.comm, self.table, index)
         self.stats.gathered_numel += self._numel[index]
 
     def _plan_prefetch(self, position: int, about_to_gather: list[int] = ()) -> list[int]:

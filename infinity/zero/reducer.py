@@ -54,7 +54,8 @@ class GradientReducer:
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
     keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
     max_in_flight: int | None = 2  # reductions in flight before the oldest is waited for; None: never wait
-    # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous])
+    # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous] in
+    # rendezvous.py)
     deliver: Callable[[int, torch.Tensor], None] | None = None  # stage 3, gradients on NVMe: (unit, reduced
     # piece) goes there instead of into grad_shards ([Note: swapped gradients] in grads.py)
     peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)

@@ -39,7 +39,7 @@ class _FetchOnUse(TorchFunctionMode):
     """Active during forward: a torch call given a released parameter (one the running module does not own and
     so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
     and writes (``param.data = ...``, which is how units attach and release) pass through. The fetch is a
-    rendezvous like any other ([Note: fetch rendezvous] in coordinator.py), so other ranks need not do the same."""
+    rendezvous like any other ([Note: fetch rendezvous] in rendezvous.py), so other ranks need not do the same."""
 
     def __init__(self, table: UnitTable, coordinator: Coordinator) -> None:
         super().__init__()
@@ -162,7 +162,7 @@ def setup_stage3(
     make_shards,
 ) -> Stage3:
     """Partitions the model into units and installs the hooks; the values move in with ``fill_units`` (units.py).
-    Fetches get their own groups ([Note: fetch rendezvous] in coordinator.py): one for the units, and for the
+    Fetches get their own groups ([Note: fetch rendezvous] in rendezvous.py): one for the units, and for the
     headers a gloo one where the units travel over NCCL (headers are small host tensors: no device sync)."""
     comm = distributed.comm
     table = build_units(

@@ -1,0 +1,89 @@
+"""The ZeRO-3 fetch rendezvous: how ranks agree on which units to all-gather, so no fetch ever hangs.
+
+[Note: fetch rendezvous]
+Every all-gather must be issued in the same order on every rank, even when ranks run different modules (a
+rank-dependent branch) or plan different prefetches. So no rank ever all-gathers on its own: a rank that wants
+units (needed now, or planned as prefetch along its trace) first takes part in a small exchange on the fetch
+group, a header listing them; then every rank all-gathers the union of all ranks' lists, in unit order (a unit
+this rank did not ask for goes into a scratch buffer and is dropped). The sequence of collectives is thus a
+function of the exchanged headers alone, identical on every rank, whatever each rank's trace or state.
+A rank with nothing to ask issues nothing: on an agreed trace every rank asks at the same events (identical
+traces, identical plans), and a rank whose header finds the others elsewhere simply waits until they ask next.
+A rank that finishes its pass keeps answering with "done" headers (the drain in Coordinator.end_pass) until
+every rank is done, so a request is always answered. Gradient reductions use the other group, so their timing
+never interleaves with fetches. With one process there is nothing to exchange.
+
+Only the protocol lives here (the headers, the drain, the gather taken part in for others); what to ask for,
+and what becomes of a unit once gathered, is the coordinator's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from infinity.zero import collectives
+from infinity.zero.collectives import Comm
+from infinity.zero.units import UnitTable, gather_piece
+
+_ASKING = 0  # header status of a rank in its pass
+_DONE = -2  # header status of a rank that has finished its pass
+_MIN_WIDTH = 16
+
+
+class Exchanged(NamedTuple):
+    """What one exchange of headers agreed on."""
+
+    union: list[int]  # every unit some rank listed, in unit order: the all-gathers to issue, in this order
+    all_done: bool  # every rank's status was _DONE
+
+
+class FetchRendezvous:
+    """The header exchange on ``header_comm`` (host tensors, so a gloo group). Its only state is the header
+    width, fixed at construction so that every rank cuts its list into the same rounds."""
+
+    def __init__(self, header_comm: Comm, *, widest_request: int) -> None:
+        self.header_comm = header_comm
+        self.width = max(_MIN_WIDTH, widest_request)  # units per header round: one module's units fit in one
+
+    def ask(self, wanted: list[int]) -> list[int]:
+        """Exchange this rank's wanted units; returns the union every rank must now all-gather, in order."""
+        return self._exchange(_ASKING, wanted).union
+
+    def drain(self, answer: Callable[[int], None]) -> None:
+        """This rank's pass is over: answer (take part in the gather of) every unit other ranks still ask for,
+        until every rank is done."""
+        while True:
+            exchanged = self._exchange(_DONE, [])
+            if exchanged.all_done:
+                return
+            for index in exchanged.union:
+                answer(index)
+
+    def _exchange(self, status: int, wanted: list[int]) -> Exchanged:
+        """All-gathers headers [status, more, up to ``width`` units] until no rank has more to list. ``all_done``
+        is read from every rank's first header."""
+        union: set[int] = set()
+        first = None
+        remaining = list(wanted)
+        while True:
+            chunk, remaining = remaining[: self.width], remaining[self.width :]
+            row = torch.full((2 + self.width,), -1, dtype=torch.int64)
+            row[0], row[1] = status, 1 if remaining else 0
+            row[2 : 2 + len(chunk)] = torch.tensor(chunk, dtype=torch.int64)
+            rows = torch.empty(self.header_comm.world_size * row.numel(), dtype=torch.int64)
+            collectives.all_gather_pieces(self.header_comm, rows, row, async_op=False)
+            rows = rows.view(self.header_comm.world_size, -1)
+            first = rows if first is None else first
+            union.update(int(u) for u in rows[:, 2:].flatten().tolist() if u >= 0)
+            if not bool((rows[:, 1] == 1).any()):
+                return Exchanged(union=sorted(union), all_done=bool((first[:, 0] == _DONE).all()))
+
+
+def gather_for_others(comm: Comm, table: UnitTable, index: int) -> None:
+    """Take part in the all-gather of a unit another rank asked for, into a scratch buffer that is dropped."""
+    unit = table.units[index]
+    scratch = torch.empty(unit.padded_numel, dtype=unit.full.dtype, device=unit.full.device)
+    gather_piece(comm, table.shards, index, unit.bucket, scratch, async_op=False)
