@@ -1,11 +1,12 @@
 """Asynchronous direct I/O between tensors and files (the NVMe tier's engine)."""
 
 from infinity.aio.buffers import Backing, HostBuffer, HostBufferPool, allocate_host_buffer
-from infinity.aio.files import DirectIOFallbackWarning
+from infinity.aio.files import AioFile, DirectIOFallbackWarning, open_file
 from infinity.aio.handle import AioHandle, AioSettings
 from infinity.aio.request import AioRequest
 
 __all__ = [
+    "AioFile",
     "AioHandle",
     "AioRequest",
     "AioSettings",
@@ -14,4 +15,5 @@ __all__ = [
     "HostBuffer",
     "HostBufferPool",
     "allocate_host_buffer",
+    "open_file",
 ]

@@ -8,6 +8,8 @@ How a request runs (see [Note: request path] below):
   pread/pwrite, which writes exactly the logical bytes (nothing past the end of the tensor);
 - tensors whose memory is not 4 KiB-aligned, or that live on a GPU, are staged through the worker's
   aligned huge-page buffer. Tensors from ``new_cpu_locked_tensor`` are used in place: the fast path;
+- the file is opened for the request and closed when it completes, unless the caller passes an AioFile
+  (opened once, see infinity/aio/files.py): then the request borrows its descriptors;
 - each wait for a direct-I/O completion is bounded by the handle's ``timeout_s`` (see AioHandle);
 - the last slice to finish completes the request (see infinity/aio/request.py): whoever waits for it,
   the request alone or the whole handle, blocks on that request's Event.
@@ -23,7 +25,7 @@ import torch
 
 from infinity.aio import core
 from infinity.aio.buffers import IO_ALIGNMENT, HostBuffer, allocate_host_buffer
-from infinity.aio.files import open_for_io
+from infinity.aio.files import AioFile, open_for_io
 from infinity.aio.request import AioRequest, _Outstanding
 from infinity.errors import AioError, AioTimeoutError, ConfigError, InvalidTensorError, ShortTransferError
 
@@ -137,6 +139,9 @@ class AioHandle:
     ``sync_*`` return the number of bytes moved; ``async_*`` queue the request and return at once;
     ``wait()`` blocks for every queued request, returns how many succeeded, and raises AioError
     (path, offset, errno) if any failed. Errors in the arguments or opening the file raise at call time.
+
+    Wherever a path goes, an AioFile (``infinity.aio.open_file``) may go instead: the request borrows the
+    descriptors it holds instead of opening and closing the file itself (see infinity/aio/files.py).
 
     ``submit_pread`` / ``submit_pwrite`` queue a request and return its AioRequest, to wait for alone
     (``request.wait()`` returns its bytes and raises its own error only). Only a closed or quarantined
@@ -319,17 +324,17 @@ class AioHandle:
     def _submit(
         self, tensor: torch.Tensor, path, file_offset: int, *, is_write: bool, defer_file_errors: bool = False
     ) -> AioRequest:
-        """Queues the request's slices. defer_file_errors: an open or file-size failure becomes the
-        request's error (submit_*) instead of raising here (sync_*, async_*: DeepSpeed's behaviour)."""
+        """Queues the request's slices. ``path``: a path, or an AioFile whose descriptors it borrows.
+        defer_file_errors: an open or file-size failure becomes the request's error (submit_*) instead of
+        raising here (sync_*, async_*: DeepSpeed's behaviour)."""
+        name = path.path if isinstance(path, AioFile) else str(path)
         if not self._closer.alive:
-            raise AioError(
-                op="submit", path=str(path), offset=file_offset, errno=None, detail="this AioHandle is closed"
-            )
+            raise AioError(op="submit", path=name, offset=file_offset, errno=None, detail="this AioHandle is closed")
         timed_out = self._timed_out
         if timed_out is not None:
             raise AioError(
                 op="submit",
-                path=str(path),
+                path=name,
                 offset=file_offset,
                 errno=None,
                 detail=(
@@ -347,14 +352,17 @@ class AioHandle:
         need_buffered = not direct or nbytes % IO_ALIGNMENT != 0 or memory.device.type != "cpu"
         request = AioRequest(
             op="write" if is_write else "read",
-            path=str(path),
+            path=name,
             offset=file_offset,
             tensor=tensor,
             memory=memory,
             outstanding=self._outstanding,
         )
         try:
-            file = open_for_io(path, is_write=is_write, direct=direct, need_buffered=need_buffered)
+            if isinstance(path, AioFile):  # it holds a buffered descriptor: need_buffered is met
+                file = path._lend(is_write=is_write, direct=direct, offset=file_offset)
+            else:
+                file = open_for_io(path, is_write=is_write, direct=direct, need_buffered=need_buffered)
             if not is_write and file.is_regular and file.size < file_offset + nbytes:
                 file.close()
                 raise ShortTransferError(

@@ -6,9 +6,10 @@ transfers in flight and must wait for one of them, and get that one's error, wit
 being failed by) the others. ``AioHandle.submit_pread`` / ``submit_pwrite`` return one of these.
 
 How it completes: the handle splits a request into slices on its worker threads; the last slice to
-finish closes the file, records the first error by slice order, sets a threading.Event (what waiters
-block on), and then drops the request's references to the tensor. A request that fails before any
-I/O (the file cannot be opened, or is too short for the read) is complete at once, with that error.
+finish closes the file (or gives an AioFile's descriptors back), records the first error by slice order,
+sets a threading.Event (what waiters block on), and then drops the request's references to the tensor.
+A request that fails before any I/O (the file cannot be opened, or is too short for the read) is
+complete at once, with that error.
 
 Who reports a request: the first to observe its outcome once it is complete claims it, either its own
 ``wait()`` / ``exception()`` or the handle-wide ``AioHandle.wait()``. The handle-wide wait counts and
@@ -117,7 +118,8 @@ class AioRequest:
 
     # ---- for AioHandle ----
     def _start(self, file: OpenFile, slices: int) -> None:
-        """Called before any slice is queued: the file is closed when the last of ``slices`` finishes."""
+        """Called before any slice is queued: the file is closed (or given back to its AioFile) when the last
+        of ``slices`` finishes."""
         self.file = file
         self._slices_left = slices
         self._errors = [None] * slices

@@ -6,7 +6,7 @@ per run and rank, free-space check and preallocation at open, size checks before
 close, at exit and on SIGINT/SIGTERM, and removal of what a crashed run left behind.
 
 Why one file per rank, not one per segment: a rank may hold thousands of segments (one per optimizer
-tile or parameter shard). One file means one descriptor held for the store's life (no fight with a
+tile or parameter shard). One file means one open file held for the store's life (no fight with a
 1024-descriptor limit), one free-space check, one preallocation, one create and one unlink. What it
 costs: the layout is fixed at open (the engine knows every shard's size before training starts), and a
 truncation hits every segment past the cut; the size check before each read compares the whole file
@@ -18,6 +18,12 @@ whole request with buffered pread/pwrite), so every segment's 4 KiB multiples mo
 handle writes exactly the logical bytes: a segment whose size is not a multiple of 4 KiB has its last
 partial page (under 4 KiB) moved with pread/pwrite, and a segment under 4 KiB entirely so. The padding
 is never written; it keeps the next segment aligned.
+
+The swap file is opened once, at open (an AioFile: an O_DIRECT descriptor where the filesystem allows and a
+buffered one for the unaligned pieces, as a path request would open), and every segment request borrows it:
+no open or close per request. Because a descriptor keeps working after its path is unlinked or replaced,
+each read first compares the path with the open file (see _check_swap_file), so a deleted, replaced or
+truncated swap file still fails the read, naming it.
 
 See [Note: swap folder lock] for how runs keep apart and how a crashed run's files are found.
 
@@ -50,6 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.aio.buffers import IO_ALIGNMENT
+from infinity.aio.files import AioFile, open_file
 from infinity.aio.handle import AioHandle
 from infinity.aio.request import AioRequest
 from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
@@ -320,7 +327,7 @@ class _Files:
         self.lock_path = os.path.join(rank_dir, LOCK_NAME)
         self.swap_path = os.path.join(rank_dir, SWAP_NAME)
         self.lock_fd: int | None = None
-        self.swap_fd: int | None = None
+        self.swap: AioFile | None = None  # every segment request borrows its descriptors
         self.owner_pid = os.getpid()
 
     def remove(self) -> None:
@@ -329,9 +336,9 @@ class _Files:
         _live_files.discard(self)
         if os.getpid() != self.owner_pid:
             return  # a forked child: the parent owns the files, and the flock it shares with us
-        swap_fd, self.swap_fd = self.swap_fd, None
-        if swap_fd is not None:
-            os.close(swap_fd)
+        swap, self.swap = self.swap, None
+        if swap is not None:
+            swap.close()  # requests still in flight keep its descriptors until they complete
         lock_fd, self.lock_fd = self.lock_fd, None
         if lock_fd is None:
             return
@@ -673,8 +680,10 @@ class NvmeStore:
         files = self._files
         try:
             self._lock_folder()
-            files.swap_fd = os.open(files.swap_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            _preallocate(files.swap_fd, layout.total_bytes, files.swap_path)
+            files.swap = open_file(
+                files.swap_path, write=True, direct=self._handle.settings.use_direct_io, exclusive=True, mode=0o600
+            )
+            _preallocate(files.swap.buffered_fd, layout.total_bytes, files.swap_path)
         except BaseException:
             files.remove()
             raise
@@ -743,7 +752,7 @@ class NvmeStore:
         if self._checksums is not None:
             crc = _crc32(tensor)
             self._checksums[name] = crc  # reads from now on expect these bytes; a failed write drops it
-        request = self._handle.submit_pwrite(tensor, self.swap_path, segment.offset)
+        request = self._handle.submit_pwrite(tensor, self._files.swap, segment.offset)
         return self._wrap(segment, request, tensor, crc)
 
     def read(self, name: str, tensor: torch.Tensor) -> SegmentRequest:
@@ -752,7 +761,7 @@ class NvmeStore:
         segment = self._segment(name, tensor)
         self._check_swap_file(segment)
         crc = self._checksums.get(name) if self._checksums is not None else None
-        request = self._handle.submit_pread(tensor, self.swap_path, segment.offset)
+        request = self._handle.submit_pread(tensor, self._files.swap, segment.offset)
         return self._wrap(segment, request, tensor, crc)
 
     def sync_write(self, name: str, tensor: torch.Tensor) -> int:
@@ -797,7 +806,9 @@ class NvmeStore:
         return segment
 
     def _check_swap_file(self, segment: Segment) -> None:
-        """Fail loudly, naming the file, rather than read short or read someone else's bytes."""
+        """Fail loudly, naming the file, rather than read short or read someone else's bytes. The reads go
+        through the descriptors opened at open(), which keep reading an unlinked or replaced file: so the
+        path is checked against them here."""
         path, expected = self.swap_path, self._layout.total_bytes
         try:
             on_disk = os.stat(path)
@@ -812,7 +823,7 @@ class NvmeStore:
                     "job? a program sharing nvme_path?); its contents are lost: restart from a checkpoint"
                 ),
             ) from None
-        held = os.fstat(self._files.swap_fd)
+        held = self._files.swap.fstat()
         if (on_disk.st_dev, on_disk.st_ino) != (held.st_dev, held.st_ino):
             raise AioError(
                 op="read",

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from infinity.aio import AioHandle, DirectIOFallbackWarning
+from infinity.aio import handle as handle_module
 from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
 from infinity.memory import NvmeStore, SwapLayout
+from tests.aio.test_requests import WorkerGate, fd_count
 from tests.conftest import MiB, as_bytes, random_tensor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +99,63 @@ def test_round_trip_of_odd_sized_segments_is_byte_exact(tmp_path, handle, checks
         one = torch.empty(1, dtype=torch.uint8)
         assert store.sync_read("one", one) == 1 and as_bytes(one) == as_bytes(sources["one"])
         assert store.stats.read.requests == len(ODD_SIZES) + 1
+
+
+def test_segment_requests_open_nothing(tmp_path, handle, monkeypatch):
+    """The swap file is opened once, at open(): 50 writes and 50 reads (queued together) call neither
+    os.open nor the handle's open_for_io, and the process holds exactly as many descriptors as before,
+    with the requests in flight and after."""
+    sizes = [(f"s{i}", 4096 * (i % 4) + 1000 * i + 1) for i in range(50)]
+    sources = {name: random_tensor(nbytes, seed=i) for i, (name, nbytes) in enumerate(sizes)}
+    with NvmeStore(tmp_path, handle=handle, segments=sizes) as store:
+        opens = []
+        real_open, real_open_for_io = os.open, handle_module.open_for_io
+        monkeypatch.setattr(os, "open", lambda *a, **k: opens.append(a) or real_open(*a, **k))
+        monkeypatch.setattr(handle_module, "open_for_io", lambda *a, **k: opens.append(a) or real_open_for_io(*a, **k))
+        before = fd_count()
+        gate = WorkerGate(handle)
+        writes = [store.write(name, tensor) for name, tensor in sources.items()]
+        assert fd_count() == before
+        gate.open()
+        for request in writes:
+            request.wait()
+        targets = {name: torch.empty_like(t) for name, t in sources.items()}
+        reads = [store.read(name, targets[name]) for name in sources]
+        for request in reads:
+            request.wait()
+        assert fd_count() == before
+        assert opens == []
+        monkeypatch.undo()
+        assert all(as_bytes(targets[name]) == as_bytes(sources[name]) for name in sources)
+        assert store.stats.write.requests == store.stats.read.requests == 50
+
+
+def test_close_with_requests_in_flight_keeps_their_descriptors_until_they_complete(tmp_path, handle):
+    """close() unlinks the file at once; a write still queued finishes against the unlinked file (its
+    descriptors close when it completes), never against a descriptor number reused by another file."""
+    before = fd_count()
+    store = NvmeStore(tmp_path, handle=handle, segments=[("s", 3 * MiB + 5)]).open()
+    gate = WorkerGate(handle)
+    request = store.write("s", random_tensor(3 * MiB + 5))
+    store.close()
+    assert tree(tmp_path) == []
+    assert fd_count() == before + 2  # the swap file's two descriptors, held by the request
+    gate.open()
+    assert request.wait() == 3 * MiB + 5
+    assert fd_count() == before
+
+
+def test_a_write_after_the_file_is_deleted_does_not_hide_it(tmp_path, handle):
+    """The open descriptors keep writing to the unlinked file; the next read still fails, naming it."""
+    with NvmeStore(tmp_path, handle=handle, segments=[("a", 10000)]) as store:
+        store.sync_write("a", random_tensor(10000))
+        os.unlink(store.swap_path)
+        store.sync_write("a", random_tensor(10000, seed=1))
+        assert not os.path.exists(store.swap_path)  # not recreated behind the store's back
+        with pytest.raises(AioError, match="was deleted") as info:
+            store.read("a", torch.empty(10000, dtype=torch.uint8))
+        assert (info.value.path, info.value.errno) == (store.swap_path, errno.ENOENT)
+    assert tree(tmp_path) == []
 
 
 def test_segments_are_4k_aligned_and_padded_and_the_file_is_preallocated(tmp_path, handle):

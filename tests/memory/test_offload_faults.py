@@ -301,7 +301,7 @@ def test_host_memory_and_descriptors_stay_flat_over_50_steps(nvme):
         for step in range(5):
             train_step(engine, step)
         process = psutil.Process()
-        # Each request holds its descriptors while in flight: count them with no write behind.
+        # Requests borrow the swap file's descriptors (none opened per request); count with no write behind.
         engine.zero_optimizer.tiled.manager.flush()
         gc.collect()
         rss, fds, threads = process.memory_info().rss, len(os.listdir("/proc/self/fd")), process.num_threads()
