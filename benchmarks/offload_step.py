@@ -49,7 +49,8 @@ def engine_config(mode: str, nvme_path: str, dtype: str) -> dict:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True,
                                      "pipeline_read": True, "pipeline_write": True}  # fmt: skip
     if mode == "stage3-nvme":
-        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
+        # max_in_cpu 0: every piece read from NVMe (the default, 1e9 elements, would keep GPT-2 small in memory)
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True, "max_in_cpu": 0}
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},

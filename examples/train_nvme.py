@@ -42,6 +42,10 @@ def main() -> int:
     for section in ("offload_param", "offload_optimizer"):
         if section in config["zero_optimization"]:
             config["zero_optimization"][section]["nvme_path"] = args.nvme_path
+    if config["zero_optimization"].get("offload_param", {}).get("device") == "nvme":
+        # every piece read from NVMe, whatever --config says: max_in_cpu's default (1e9 elements) would keep
+        # this model in host memory
+        config["zero_optimization"]["offload_param"]["max_in_cpu"] = 0
     if not torch.cuda.is_available():
         config["bf16"] = {"enabled": False}  # fp32 on the CPU: without bf16 units its bf16 matmuls are slower
     config["steps_per_print"] = 5

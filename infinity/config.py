@@ -201,7 +201,7 @@ class OffloadParamConfig:
     nvme_path: str | None = None
     buffer_count: int = 5
     buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
+    max_in_cpu: int = 1_000_000_000  # nvme: elements of the rank's pieces kept in host memory ([Note: unit shards])
     pin_memory: bool = False
 
     @property

@@ -6,6 +6,10 @@ so a tile is at most ``sub_group_size`` elements and at most what keeps the ring
 (and a quarter of the host memory available now). DeepSpeed sizes its buffers from sub_group_size alone
 (default 1e9 elements): on a 124M model its ring takes gigabytes. Here the default never does: a tile of
 ~5.6M elements (Adam: 64 MiB) is still 64 requests of the default 1 MiB aio block, enough to keep the queue full.
+
+Parameters on NVMe: offload_param.max_in_cpu elements of the rank's pieces stay in host memory ([Note: unit shards]
+in zero/shards.py), at most what a quarter of the host memory available now holds, so the default (1e9 elements,
+DeepSpeed's) never exhausts RAM.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ def tile_numel(zero: ZeroConfig, *, state_width: int, nvme: bool) -> int:
     return min(zero.sub_group_size, cap)
 
 
+def host_cache_numel(zero: ZeroConfig, dtype: torch.dtype) -> int:
+    """Elements of parameter pieces kept in host memory in front of NVMe: max_in_cpu, within the host budget."""
+    return min(zero.offload_param.max_in_cpu, available_host_bytes() // 4 // dtype.itemsize)
+
+
 def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None, dtype: torch.dtype,
                      device: torch.device):  # fmt: skip
     """make_shards for build_units: the home offload_param gives the rank's parameter shard ([Note: unit shards])."""
@@ -63,7 +72,8 @@ def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: 
         store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-params")
         manager = TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 1),
                               pin_memory=spec.pin_memory, owner="offload_param")  # fmt: skip
-        return UnitShards(layout, home=Tier.NVME, manager=manager, max_piece_numel=spec.buffer_size, **common)
+        return UnitShards(layout, home=Tier.NVME, manager=manager, max_piece_numel=spec.buffer_size,
+                          host_numel=host_cache_numel(zero, dtype), **common)  # fmt: skip
 
     return make
 

@@ -362,7 +362,9 @@ class Coordinator:
         capacity = self.table.shards.staging_capacity
         if not capacity:
             return
-        for unit in plan_swap_in(self._pass.trace, position, resident=self._resident.live, limit=capacity):
+        kept = self.table.shards.kept  # pieces max_in_cpu keeps in host memory: nothing to read, no buffer taken
+        resident = (self._resident.live | kept) if kept else self._resident.live
+        for unit in plan_swap_in(self._pass.trace, position, resident=resident, limit=capacity):
             if not self.table.shards.stage(unit):
                 return
 

@@ -13,6 +13,16 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   buffers fit the largest piece within ``staging_bytes`` / buffer_count (offload_param.buffer_size caps it
   too): a model's few outsized units (the embedding, ~30% of GPT-2 small) are read on demand, straight into
   their gathered buffer, rather than making every buffer their size.
+- NVME with offload_param.max_in_cpu: a fixed set of non-persistent pieces stays in host memory in front of the
+  disk (``host_kept``: along the units' order, every piece that keeps the running total within the cap). They
+  are home-HOST segments of the tier manager (pinned when pin_memory and CUDA exist, counted in its stats) and
+  behave like the persistent piece: gathered straight from memory, edited in place, never written to NVMe, never
+  staged, so the ring is sized from the NVMe pieces alone. Static, not LRU: every step reads every unit in the
+  same cyclic order (forward, then backward), and LRU over a cyclic scan larger than the cache evicts each unit
+  just before its next use and misses on every access; a fixed subset hits on all of its units. The cap is
+  max_in_cpu elements of this rank's pieces, at most what a quarter of the host memory available at start
+  holds (memory/offload.py), so the default (1e9) keeps small models wholly in memory without exhausting RAM
+  on large ones; 0 sends every piece to NVMe.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
 writes it (asynchronously, behind the next tiles). Read-ahead copies are dropped at the end of every pass,
 so a staged piece is never older than the one on disk.
@@ -20,11 +30,26 @@ so a staged piece is never older than the one on disk.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from infinity.memory.nvme_store import _human
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.partition import GroupLayout
+
+
+def host_kept(pieces: Iterable[tuple[int, int]], cap: int) -> set[int]:
+    """The units whose pieces stay in host memory (offload_param.max_in_cpu): ``pieces`` are (unit, elements) in
+    the units' order; each piece is kept when the running total of kept elements stays within ``cap``, so a
+    piece too large to fit is skipped and later, smaller ones may still be kept ([Note: unit shards])."""
+    kept: set[int] = set()
+    total = 0
+    for index, numel in pieces:
+        if cap > 0 and total + numel <= cap:
+            kept.add(index)
+            total += numel
+    return kept
 
 
 class UnitShards:
@@ -40,7 +65,9 @@ class UnitShards:
         manager: TierManager | None = None,
         max_piece_numel: int | None = None,
         staging_bytes: int = 256 << 20,
+        host_numel: int = 0,
     ) -> None:
+        """``host_numel`` (NVME home): elements of non-persistent pieces kept in host memory (max_in_cpu)."""
         self.layout = layout
         self.dtype = dtype
         self.device = device
@@ -48,24 +75,34 @@ class UnitShards:
         self.rank = rank
         self.manager = manager
         self.flat: torch.Tensor | None = None
-        self._resident: dict[int, torch.Tensor] = {}  # NVME home: the persistent unit's piece
+        # NVME home: the pieces in memory, gathered and edited in place: the persistent unit's (on the device)
+        # and those max_in_cpu keeps (in host memory)
+        self._resident: dict[int, torch.Tensor] = {}
+        self.host_cap = host_numel
+        self.kept: frozenset[int] = frozenset()  # NVME home: the units whose pieces max_in_cpu keeps in memory
+        self.on_nvme: tuple[int, ...] = ()
         self._staged: dict[int, SegmentHandle] = {}
         self._editing: dict[int, SegmentHandle] = {}
         self._editing_outsized: dict[int, torch.Tensor] = {}
         if home is Tier.NVME:
-            sizes = []
+            movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
+            self.kept = frozenset(host_kept(movable, host_numel))
+            self.on_nvme = tuple(index for index, _ in movable if index not in self.kept)
             for bucket in layout.buckets:
                 if bucket.index in persistent:
                     self._resident[bucket.index] = torch.zeros(bucket.piece_numel, dtype=dtype, device=device)
-                    continue
-                manager.add(self._name(bucket.index), bucket.piece_numel, Tier.NVME, dtype)
-                sizes.append(bucket.piece_numel * dtype.itemsize)
+                else:
+                    tier = Tier.HOST if bucket.index in self.kept else Tier.NVME
+                    manager.add(self._name(bucket.index), bucket.piece_numel, tier, dtype)
+            sizes = [layout.buckets[index].piece_numel * dtype.itemsize for index in self.on_nvme]
             if sizes:
                 cap = staging_bytes // manager.buffer_count
                 if max_piece_numel is not None:
                     cap = min(cap, max_piece_numel * dtype.itemsize)
                 manager.buffer_bytes = max([n for n in sizes if n <= cap], default=cap)  # none fits: all on demand
             manager.open()
+            for index in self.kept:  # the manager's host home (pinned where asked), used in place from here on
+                self._resident[index] = manager.acquire(self._name(index)).wait()
         else:
             where = device if home is Tier.DEVICE else torch.device("cpu")
             self.flat = torch.zeros(layout.shard_numel, dtype=dtype, device=where)
@@ -83,16 +120,16 @@ class UnitShards:
     # ---- gathering ----
     def on_device(self, index: int) -> torch.Tensor | None:
         """The piece itself when it lives on the compute device (use it as the all-gather input), else None."""
-        if index in self._resident:
-            return self._resident[index]
-        if self.flat is not None and self.flat.device == self.device:
-            return self.flat[self._span(index)]
-        return None
+        piece = self._resident.get(index)
+        if piece is None and self.flat is not None:
+            piece = self.flat[self._span(index)]
+        return piece if piece is not None and piece.device == self.device else None
 
     def load_into(self, index: int, out: torch.Tensor) -> None:
         """out <- the piece (blocking)."""
         if index in self._resident:
-            out.copy_(self._resident[index])
+            piece = self._resident[index]
+            out.copy_(piece, non_blocking=piece.device.type == "cpu")  # as from the HOST home's flat shard
         elif self.flat is not None:
             out.copy_(self.flat[self._span(index)], non_blocking=True)
         elif index in self._staged:
@@ -121,7 +158,7 @@ class UnitShards:
 
     @property
     def staging_capacity(self) -> int:
-        return self.manager.buffer_count if self.manager is not None and self.flat is None else 0
+        return self.manager.buffer_count if self.on_nvme else 0
 
     # ---- writing ----
     def store(self, index: int, values: torch.Tensor) -> None:
@@ -160,9 +197,19 @@ class UnitShards:
             self.manager.release(handle, dirty=True)
 
     def describe(self) -> str:
+        """What each tier holds, for the start-up line."""
         if self.flat is not None:
             return f"{self.home.value} {_human(self.flat.numel() * self.flat.element_size())}"
-        return self.manager.describe()
+        parts = []
+        for where, units in ((f"in host memory (max_in_cpu, cap {self.host_cap:,} elements)", self.kept),
+                             ("on NVMe", self.on_nvme)):  # fmt: skip
+            numel = sum(self.layout.buckets[index].piece_numel for index in units)
+            parts.append(f"{len(units)} units {where}: {numel:,} elements, {_human(numel * self.dtype.itemsize)}")
+        ring = self.manager.stats().staging_bytes
+        if ring:
+            count = self.manager.buffer_count
+            parts.append(f"NVMe staging ring {count} x {_human(ring // count)}")
+        return "; ".join(parts)
 
     # ---- whole shard ----
     def read(self, index: int) -> torch.Tensor:

@@ -15,7 +15,8 @@ with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe keeps its gradient 
 gradients]); many tiles per group (sub_group_size 64 and 100) with and without pipelined reads and
 writes, which must also equal the one-tile run; torch.optim.SGD (momentum, dampening) and torch.optim.Adam (weight
 decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by group;
-a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without clipping.
+a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without clipping;
+parameters on NVMe with offload_param.max_in_cpu 0 (every piece on NVMe) and 4000 (some kept in host memory).
 
 Stage 3 steps the same tiles in device memory when nothing is offloaded, so the gradient norm (and with it the
 clip coefficient) is summed over the same layout either way (test_stage3_grad_norm_is_the_same_with_offload).
@@ -30,6 +31,7 @@ import torch
 
 import infinity
 import infinity.zero
+from infinity.zero.shards import host_kept
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import (
     WEIGHT_DECAY,
@@ -59,6 +61,7 @@ class Run:
     scheduler: bool = False
     clip: float = 1.0
     param_device: str = "none"  # offload_param.device (stage 3)
+    max_in_cpu: int = 0  # offload_param.max_in_cpu (nvme): 0 puts every piece on NVMe
 
     @property
     def key(self) -> str:
@@ -77,10 +80,14 @@ class Run:
             parts.append("warmuplr")
         if self.clip != 1.0:
             parts.append(f"clip{self.clip:g}")
+        if self.max_in_cpu:
+            parts.append(f"max_in_cpu{self.max_in_cpu}")
         return "-".join(parts)
 
     def without_offload(self) -> Run:
-        return dataclasses.replace(self, device="none", param_device="none", sub_group_size=None, pipeline=False)
+        return dataclasses.replace(
+            self, device="none", param_device="none", sub_group_size=None, pipeline=False, max_in_cpu=0
+        )
 
     def config(self, world_size: int, nvme_path: str) -> dict:
         micro = BATCH // (2 * world_size)
@@ -102,6 +109,8 @@ class Run:
                 zero["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
         if self.param_device != "none":
             zero["offload_param"] = {"device": self.param_device, "nvme_path": nvme_path}
+            if self.param_device == "nvme":
+                zero["offload_param"]["max_in_cpu"] = self.max_in_cpu  # the default (1e9) keeps these models in memory
             if self.pipeline:
                 zero["offload_param"]["buffer_count"] = 2
         if self.sub_group_size is not None:
@@ -143,6 +152,10 @@ OFFLOADED = (
        for device in ("none", "cpu", "nvme")]
     + [Run("gpt2", 3, "nvme", param_device="nvme"), Run("gpt2", 3, "nvme", "bf16", param_device="nvme"),
        Run("transformer", 3, "nvme", param_device="nvme", sub_group_size=64, pipeline=True)]
+    # max_in_cpu 4000: the first pieces within 4000 elements stay in host memory, the others on NVMe (some of each
+    # at either world size); GPT-2 (its tied embedding kept), the transformer with the 2-buffer ring
+    + [Run("gpt2", 3, "nvme", param_device="nvme", max_in_cpu=4000),
+       Run("transformer", 3, "nvme", param_device="nvme", sub_group_size=64, pipeline=True, max_in_cpu=4000)]
 )  # fmt: skip
 RUNS = {run.key: run for run in OFFLOADED}
 RUNS.update({run.without_offload().key: run.without_offload() for run in OFFLOADED})
@@ -205,11 +218,27 @@ def train(run: Run, *, rank: int, world_size: int, nvme_path: str) -> dict:
         "runs": None if tiled is None else len({(t.group, t.piece) for t in tiled.tiles}),
         "home": None if tiled is None else tiled.manager.stats().held_bytes,
         "param_home": None if engine.stage3 is None else engine.stage3.table.shards.home.value,
+        "param_split": param_split(engine),
     }
     with infinity.zero.GatheredParameters(list(engine.module.parameters())):
         result["params"] = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     engine.destroy()
     return result
+
+
+def param_split(engine) -> dict | None:
+    """Parameters on NVMe: which pieces max_in_cpu kept in host memory, which the swap store holds, tier stats."""
+    if engine.stage3 is None or engine.stage3.table.shards.home.value != "nvme":
+        return None
+    shards = engine.stage3.table.shards
+    return {
+        "kept": sorted(shards.kept),
+        "on_nvme": list(shards.on_nvme),
+        "pieces": {bucket.index: bucket.piece_numel for bucket in shards.layout.buckets},
+        "swapped": [segment.name for segment in shards.manager.store.layout],
+        "held": engine.tier_stats()["parameters"]["held_bytes"],
+        "itemsize": shards.dtype.itemsize,
+    }
 
 
 def _worker(*, rank: int, world_size: int, nvme_path: str) -> dict:
@@ -292,6 +321,28 @@ def test_offload_is_bitwise_equal_to_no_offload(results, key):
         found = differences(got, want)
         print(f"world {world_size} rank {rank} {key}: {found or 'bitwise equal'}")
         assert not found, f"world {world_size} rank {rank}: {key} differs from {run.without_offload().key}: {found}"
+
+
+@pytest.mark.parametrize("key", [run.key for run in OFFLOADED if run.param_device == "nvme"])
+def test_max_in_cpu_keeps_pieces_in_host_memory_and_the_rest_on_nvme(results, key):
+    """Parameters on NVMe: the pieces max_in_cpu keeps are host_kept's choice along the units' order (the host
+    budget is far above 4000 elements), counted as host bytes in the tier stats; the swap store holds exactly the
+    others. max_in_cpu 0: every piece on NVMe."""
+    world_size, per_rank, _ = results
+    run = RUNS[key]
+    for rank, rank_results in enumerate(per_rank):
+        split = rank_results[key]["param_split"]
+        pieces, kept, on_nvme = split["pieces"], split["kept"], split["on_nvme"]
+        movable = sorted(kept + on_nvme)
+        assert kept == sorted(host_kept([(index, pieces[index]) for index in movable], run.max_in_cpu))
+        if run.max_in_cpu:
+            assert kept and on_nvme, f"world {world_size} rank {rank}: {kept} kept, {on_nvme} on NVMe"
+        else:
+            assert kept == []
+        assert split["swapped"] == [f"unit{index}" for index in on_nvme]
+        nbytes = {where: sum(pieces[index] for index in units) * split["itemsize"]
+                  for where, units in (("host", kept), ("nvme", on_nvme)) if units}  # fmt: skip
+        assert split["held"] == nbytes
 
 
 def one_tile(run: Run) -> Run:

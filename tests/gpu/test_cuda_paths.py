@@ -102,21 +102,29 @@ def test_stage3_partitions_on_the_device_without_moving_the_whole_model():
     engine.destroy()
 
 
-@pytest.mark.parametrize("optimizer_device,param_device", [("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "none")])
-def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param_device):
+@pytest.mark.parametrize(
+    "optimizer_device,param_device,max_in_cpu",
+    [("cpu", "cpu", 0), ("nvme", "nvme", 0), ("nvme", "nvme", 10_000), ("nvme", "none", 0)],
+)
+def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param_device, max_in_cpu):
     """Offload with CUDA: pinned host homes and staging buffers, gradients copied device -> host for the tiles,
     new weights host -> device, parameter pieces read from NVMe into the gathered buffer on the device. The
-    parameter shard and the optimizer tiles must not live in device memory."""
+    parameter shard and the optimizer tiles must not live in device memory. max_in_cpu 10000 keeps the first
+    and last Linear's pieces in pinned host memory (copied host -> device at each gather), the middle on NVMe."""
     zero = {"offload_optimizer": {"device": optimizer_device, "nvme_path": str(tmp_path), "pin_memory": True,
                                   "pipeline_read": True, "pipeline_write": True}}  # fmt: skip
     if param_device != "none":
-        zero["offload_param"] = {"device": param_device, "nvme_path": str(tmp_path), "pin_memory": True}
+        zero["offload_param"] = {"device": param_device, "nvme_path": str(tmp_path), "pin_memory": True,
+                                 "max_in_cpu": max_in_cpu}  # fmt: skip
     engine, *_ = infinity.initialize(model=mlp(), config=config(3, **zero))
     homes = engine.tier_stats()["optimizer"]["held_bytes"]
     assert set(homes) == {"host" if optimizer_device == "cpu" else "nvme"}
     shards = engine.stage3.table.shards
     assert shards.home.value == {"none": "device", "cpu": "host", "nvme": "nvme"}[param_device]
     assert shards.flat is None or shards.flat.device.type == ("cuda" if param_device == "none" else "cpu")
+    if param_device == "nvme":
+        assert sorted(shards.kept) == ([0, 2] if max_in_cpu else [])
+        assert all(shards.edit(index).is_pinned() and shards.on_device(index) is None for index in shards.kept)
     assert_close(engine_losses(engine), plain_cuda())
     engine.destroy()
     assert list(tmp_path.iterdir()) == []

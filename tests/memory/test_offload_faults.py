@@ -417,7 +417,7 @@ def test_parameters_on_nvme_with_another_optimizer_evaluate_and_save(nvme, tmp_p
         zero = config["zero_optimization"]
         zero.update(stage3_param_persistence_threshold=64, stage3_gather_16bit_weights_on_model_save=True)
         if params == "nvme":
-            zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 1}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 1, "max_in_cpu": 0}
         optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2)
         engine, *_ = infinity.initialize(model=model, config=config, optimizer=optimizer)
         losses = []
@@ -450,7 +450,7 @@ def test_a_failed_initialize_leaves_no_hooks_and_no_swap_files(nvme, failing):
     through, and the model keeps no hook of the engine and nvme_path no file."""
     model = build("transformer")
     config = nvme_config(nvme, stage=3)
-    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme)}
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
     kwargs = {}
     if failing == "optimizer":
         del config["optimizer"]

@@ -66,6 +66,12 @@ def test_no_batch_size_at_all():
         (config(fp16={"enabled": True}, bf16={"enabled": True}), "fp16.enabled and bf16.enabled are both true"),
         (config(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}), "offload_param needs stage 3"),
         (
+            config(
+                zero_optimization={"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": -1}}
+            ),
+            "zero_optimization.offload_param.max_in_cpu must be >= 0, got -1",
+        ),
+        (
             config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "nvme"}}),
             "offload_optimizer.device is nvme but zero_optimization.offload_optimizer.nvme_path is not set",
         ),
