@@ -530,6 +530,15 @@ def _fill_auto(raw: dict, auto: AutoValues) -> dict:
     return raw
 
 
+def offload_sections(config: str | os.PathLike | Mapping[str, Any]) -> tuple[ZeroConfig, AioSettings]:
+    """zero_optimization and aio alone (what zero.Init reads), without the batch sizes a whole parse needs."""
+    raw = load_json(config)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, Mapping):  # "auto" values need a model: zero.Init only reads offload_param
+        raw["zero_optimization"] = {k: v for k, v in zero.items() if v != AUTO}
+    return _parse_zero(raw.get("zero_optimization")), parse_aio(raw.get("aio"))
+
+
 def parse_config(
     config: str | os.PathLike | Mapping[str, Any], *, world_size: int = 1, auto: AutoValues | None = None
 ) -> Config:

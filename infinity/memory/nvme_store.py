@@ -164,6 +164,17 @@ class SwapLayout:
     def __iter__(self) -> Iterator[Segment]:
         return iter(self.segments)
 
+    def appended(self, name: str, nbytes: int) -> SwapLayout:
+        """This layout with one more segment at its end (an open store growing: ``NvmeStore.append``)."""
+        _check_segment(name, nbytes)
+        if name in self._index:
+            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
+        segment = Segment(name, self.total_bytes, nbytes)
+        grown = object.__new__(SwapLayout)
+        object.__setattr__(grown, "segments", (*self.segments, segment))
+        object.__setattr__(grown, "_index", {**self._index, name: segment})  # no O(n) re-check per append
+        return grown
+
     def __len__(self) -> int:
         return len(self.segments)
 
@@ -505,12 +516,13 @@ if _fallocate is not None:
     _fallocate.restype = ctypes.c_int
 
 
-def _preallocate(fd: int, nbytes: int, path: str) -> None:
-    """Size the file to ``nbytes`` and reserve its blocks where the filesystem can (fallocate), so a full
-    disk fails here, at open, and not in the middle of training. Else only sized (ftruncate: sparse)."""
+def _preallocate(fd: int, nbytes: int, path: str, offset: int = 0) -> None:
+    """Size the file to ``offset + nbytes`` and reserve the blocks of [offset, offset + nbytes) where the
+    filesystem can (fallocate), so a full disk fails here, at open, and not in the middle of training. Else
+    only sized (ftruncate: sparse)."""
     if nbytes == 0:
         return
-    if _fallocate is not None and _fallocate(fd, 0, 0, nbytes) == 0:
+    if _fallocate is not None and _fallocate(fd, 0, offset, nbytes) == 0:
         return
     err = ctypes.get_errno() if _fallocate is not None else errno_module.ENOSYS
     if err == errno_module.ENOSPC:
@@ -520,8 +532,8 @@ def _preallocate(fd: int, nbytes: int, path: str) -> None:
             "nvme_path at a larger disk"
         )
     if err not in (errno_module.EOPNOTSUPP, errno_module.ENOSYS, errno_module.EINVAL):
-        raise AioError(op="fallocate", path=path, offset=0, errno=err, detail="could not size the swap file")
-    os.ftruncate(fd, nbytes)
+        raise AioError(op="fallocate", path=path, offset=offset, errno=err, detail="could not size the swap file")
+    os.ftruncate(fd, offset + nbytes)
 
 
 # ---- the store ----
@@ -692,6 +704,26 @@ class NvmeStore:
         self._finalizer = weakref.finalize(self, files.remove)  # also runs at interpreter exit (atexit)
         _install_signal_handlers()
         return self
+
+    def append(self, name: str, nbytes: int) -> Segment:
+        """Add a segment to an open store, at the end of its file (zero.Init writes each parameter's piece as
+        its module is built, before anyone knows the whole model). Its space is checked and reserved now."""
+        if not self.is_open:
+            raise ConfigError(f"swap segment {name!r}: append() needs an open store (add() before open())")
+        layout = self._layout.appended(name, nbytes)
+        segment = layout[name]
+        vfs = os.statvfs(self.nvme_path)
+        free = vfs.f_bavail * vfs.f_frsize
+        if segment.padded_nbytes > free:
+            raise TierBudgetError(
+                f"the NVMe swap file of rank {self.rank} needs {_human(segment.padded_nbytes)} more for segment "
+                f"{name!r} but {self.nvme_path!r} has {_human(free)} free: free space there, set nvme_path to a "
+                "larger disk, or offload less to NVMe"
+            )
+        _preallocate(self._files.swap.buffered_fd, segment.padded_nbytes, self.swap_path, offset=segment.offset)
+        self._layout = layout
+        self._sizes[name] = nbytes
+        return segment
 
     def _lock_folder(self) -> None:
         """Make this rank's folder and take its lock (see [Note: swap folder lock])."""

@@ -16,20 +16,25 @@ lost, as in DeepSpeed.
 
 The engine's stage 3 (stage3.py) later regroups these per-parameter pieces into units, one module at a time.
 
+With offload_param on NVMe in the config (or ``remote_device="nvme"``), each piece goes to a swap store of
+its own as soon as it is cut (``InitSwap``): the process holds one module's parameters at a time, so a model
+larger than host memory can be built. Gathering a parameter reads its piece back; initialize() takes every
+piece into the engine's own stores, and the Init store's files go when the last piece is taken (or at exit).
+
 [Note: zero.Init memory]
 Freed full-size parameters must really be given back, or the heap grows by a full model anyway: glibc serves
 a 64-byte-aligned 16 MiB request from a heap hole only if the hole is larger than 16 MiB, so the holes each
 partitioned layer leaves behind are never reused (measured: 32 layers of 16 MiB built under Init peaked at 2x
-the model in one process). Inside the context, allocations from 1 MiB up are therefore mmap-backed and return
-to the system when freed; on exit the threshold is set to 32 MiB, the ceiling glibc's own adaptive threshold
-reaches after large frees.
+the model in one process). Entering the context therefore fixes glibc's mmap threshold at 1 MiB, as the engine
+does anyway (infinity/memory/host.py): allocations from 1 MiB up are mmap-backed and return to the system
+when freed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
+import itertools
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,23 +44,87 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from infinity.errors import ConfigError
+from infinity.memory.host import return_freed_memory
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.partition import ALIGN
 from infinity.zero.units import stage3_runtime
 
 
+class InitSwap:
+    """The NVMe store of one zero.Init context ([Note: zero.Init]): pieces are appended as modules are built.
+    The pieces refer to it; when initialize() has taken the last one, it closes and its files go."""
+
+    def __init__(self, nvme_path: str, aio, comm: Comm) -> None:
+        from infinity.aio.handle import AioHandle
+        from infinity.memory.nvme_store import NvmeStore
+        from infinity.memory.offload import agree_run_id
+
+        handle = AioHandle.from_settings(aio)
+        try:
+            run_id = f"{agree_run_id(comm)}-init"
+            self.store = NvmeStore(nvme_path, handle=handle, rank=comm.rank, run_id=run_id).open()
+        except BaseException:
+            handle.close()
+            raise
+        self._names = itertools.count()
+        weakref.finalize(self, _close_swap, self.store, handle)
+
+    def put(self, piece: torch.Tensor) -> SwappedPiece:
+        name = f"piece{next(self._names)}"
+        self.store.append(name, piece.numel() * piece.element_size())
+        swapped = SwappedPiece(self, name, piece.numel())
+        swapped.write(piece)
+        return swapped
+
+
+def _close_swap(store, handle) -> None:
+    try:
+        store.close()
+    finally:
+        handle.close()
+
+
+@dataclass(slots=True)
+class SwappedPiece:
+    swap: InitSwap  # keeps the store open while any piece lives
+    name: str
+    numel: int
+
+    def write(self, piece: torch.Tensor) -> None:
+        self.swap.store.sync_write(self.name, piece.detach().to("cpu").contiguous())
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.numel, dtype=dtype)
+        self.swap.store.sync_read(self.name, out)
+        return out
+
+
 @dataclass(slots=True)
 class InitShard:
-    """This rank's piece of one parameter partitioned by zero.Init."""
+    """This rank's piece of one parameter partitioned by zero.Init: in memory, or on NVMe (``swapped``)."""
 
     shape: torch.Size
-    piece: torch.Tensor  # (padded numel / world_size,)
+    piece: torch.Tensor | None  # (padded numel / world_size,); None when swapped
     comm: Comm
+    dtype: torch.dtype
+    device: torch.device
+    swapped: SwappedPiece | None = None
+
+    def local(self) -> torch.Tensor:
+        return self.piece if self.swapped is None else self.swapped.read(self.dtype).to(self.device)
+
+    def set_local(self, piece: torch.Tensor) -> None:
+        if self.swapped is None:
+            self.piece.copy_(piece)
+        else:
+            self.swapped.write(piece)
 
     def gather(self) -> torch.Tensor:
-        full = torch.empty(self.piece.numel() * self.comm.world_size, dtype=self.piece.dtype, device=self.piece.device)
-        collectives.all_gather_pieces(self.comm, full, self.piece, async_op=False)
+        local = self.local()
+        full = torch.empty(local.numel() * self.comm.world_size, dtype=self.dtype, device=self.device)
+        collectives.all_gather_pieces(self.comm, full, local, async_op=False)
         return full[: self.shape.numel()].view(self.shape)
 
 
@@ -78,9 +147,12 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
     return whole
 
 
-def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torch.device | None = None) -> None:
+def _partition(
+    param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torch.device | None = None,
+    swap: InitSwap | None = None,
+) -> None:  # fmt: skip
     """``device``: where the piece lives (the compute device: NCCL broadcasts device tensors); default the
-    parameter's own."""
+    parameter's own. ``swap``: a new piece goes to NVMe there."""
     data = param.data
     device = data.device if device is None else device
     numel = data.numel()
@@ -94,14 +166,18 @@ def _partition(param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torc
     if broadcast:
         collectives.broadcast_(comm, flat, src=0)
     piece_numel = flat.numel() // comm.world_size
-    piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel].clone()
+    piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel]
     shard = init_shard(param)
     if shard is None:
-        _SHARDS[param] = InitShard(shape=data.shape, piece=piece, comm=comm)
+        common = {"shape": data.shape, "comm": comm, "dtype": data.dtype, "device": device}
+        if swap is None:
+            _SHARDS[param] = InitShard(piece=piece.clone(), **common)
+        else:
+            _SHARDS[param] = InitShard(piece=None, swapped=swap.put(piece), **common)
         param.ds_shape = data.shape  # DeepSpeed's public attributes of a partitioned parameter
         param.ds_numel = numel
     else:
-        shard.piece.copy_(piece)
+        shard.set_local(piece)
     param.data = torch.empty(0, dtype=data.dtype, device=device)
 
 
@@ -109,9 +185,9 @@ def _restore(param: nn.Parameter, *, keep_edits: bool = True) -> None:
     """Back to the placeholder, keeping this rank's piece of the (possibly edited) whole value."""
     shard = init_shard(param)
     if keep_edits:
-        _partition(param, shard.comm, broadcast=False, device=shard.piece.device)
+        _partition(param, shard.comm, broadcast=False, device=shard.device)
     else:
-        param.data = torch.empty(0, dtype=shard.piece.dtype, device=shard.piece.device)
+        param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
 
 
 def _placeholders(values) -> list[nn.Parameter]:
@@ -143,15 +219,6 @@ class _WholeOnUse(TorchFunctionMode):
                 _restore(param)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def _set_mmap_threshold(nbytes: int) -> None:
-    """[Note: zero.Init memory]. No-op where the C library has no mallopt (not glibc)."""
-    with contextlib.suppress(AttributeError, OSError):
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
-
-
 def _all_subclasses(cls: type) -> set[type]:
     found = set()
     pending = [cls]
@@ -166,15 +233,19 @@ def _all_subclasses(cls: type) -> set[type]:
 class Init:
     """``with infinity.zero.Init(): model = MyModel()`` builds the model already partitioned.
 
-    Accepts DeepSpeed's arguments ``config`` / ``config_dict_or_path`` (read for offload_param) and
-    ``enabled``; the process group is the engine's (torchrun's environment, or one the caller made)."""
+    Accepts DeepSpeed's arguments ``config`` / ``config_dict_or_path`` (offload_param and aio are read: with
+    offload_param on NVMe the pieces go there as they are cut), ``remote_device`` ("nvme" sends them to
+    offload_param.nvme_path of the config even if its device says otherwise; "cpu" / None keep them in memory)
+    and ``enabled``; the process group is the engine's (torchrun's environment, or one the caller made)."""
 
-    def __init__(self, module=None, *, config=None, config_dict_or_path=None, enabled: bool = True, **_ignored):
+    def __init__(self, module=None, *, config=None, config_dict_or_path=None, remote_device=None,
+                 enabled: bool = True, **_ignored):  # fmt: skip
         if module is not None:
             raise ValueError("zero.Init(module=...) (partitioning an existing model) is not supported; build it inside")
         self.enabled = enabled
         raw = config if config is not None else config_dict_or_path
-        self._check_config(raw)
+        self._nvme = self._nvme_settings(raw, remote_device)
+        self._swap: InitSwap | None = None
         self._originals: dict[type, object] = {}
         self._depth: dict[int, int] = {}
         self._mode: _WholeOnUse | None = None
@@ -182,14 +253,20 @@ class Init:
         self.device: torch.device | None = None
 
     @staticmethod
-    def _check_config(raw) -> None:
-        """The config is read for validation only: pieces are built in memory; initialize() moves them to their
-        home (offload_param's host memory or NVMe)."""
+    def _nvme_settings(raw, remote_device):
+        """(nvme_path, aio settings) when the pieces go to NVMe, else None; the config is validated either way."""
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ConfigError(f'zero.Init: remote_device must be "cpu", "nvme" or None, got {remote_device!r}')
         if raw is None:
-            return
-        from infinity.config import load_json
+            if remote_device == "nvme":
+                raise ConfigError('zero.Init(remote_device="nvme") needs config= with offload_param.nvme_path')
+            return None
+        from infinity.config import offload_sections
 
-        load_json(raw)
+        zero, aio = offload_sections(raw)
+        if zero.offload_param.device == "nvme" and remote_device in (None, "nvme") or remote_device == "nvme":
+            return zero.offload_param.nvme_path, aio
+        return None
 
     def __enter__(self):
         if not self.enabled:
@@ -198,7 +275,9 @@ class Init:
 
         self.comm = join_process_group()
         self.device = compute_device()
-        _set_mmap_threshold(1 << 20)
+        return_freed_memory()  # [Note: zero.Init memory]
+        if self._nvme is not None and self._swap is None:
+            self._swap = InitSwap(self._nvme[0], self._nvme[1], self.comm)
         for cls in _all_subclasses(nn.Module) | {nn.Module}:
             self._wrap(cls)
         self._originals[type] = nn.Module.__dict__.get("__init_subclass__")
@@ -217,7 +296,7 @@ class Init:
         if not self.enabled:
             return
         self._mode.__exit__(*exc)
-        _set_mmap_threshold(32 << 20)
+        self._swap = None  # the pieces keep it open until initialize() has taken them
         original_subclass = self._originals.pop(type)
         if original_subclass is None:
             del nn.Module.__init_subclass__
@@ -252,7 +331,7 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for param in module.__dict__.get("_parameters", {}).values():
             if param is not None and init_shard(param) is None:
-                _partition(param, self.comm, broadcast=True, device=self.device)
+                _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap)
 
 
 class GatheredParameters:

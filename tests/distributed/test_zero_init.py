@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import infinity
+import infinity.memory.host
 import infinity.zero
 from infinity.zero.init import init_shard
 from tests.distributed.harness import run_distributed
@@ -33,17 +35,26 @@ def _rss_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_init: bool) -> dict:
+def _nvme_config(nvme_path: str) -> dict:
+    return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
+
+
+def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_init: bool,
+                       nvme_path: str | None = None) -> dict:  # fmt: skip
+    infinity.memory.host.return_freed_memory()  # as Init does on entry: the plain build is measured alike
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     before = _rss_bytes("VmRSS")
     if use_init:
-        with infinity.zero.Init():
+        with infinity.zero.Init(config=None if nvme_path is None else _nvme_config(nvme_path)):
             model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     else:
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     peak = _rss_bytes("VmHWM") - before
-    return {"peak": peak, "placeholders": all(p.numel() == 0 for p in model.parameters())}
+    on_disk = 0
+    if nvme_path is not None:
+        on_disk = sum(f.stat().st_size for f in Path(nvme_path).rglob(f"rank{rank}/*") if f.name != "lock")
+    return {"peak": peak, "placeholders": all(p.numel() == 0 for p in model.parameters()), "on_disk": on_disk}
 
 
 def test_init_builds_a_model_8x_the_per_rank_budget_within_1_over_n(tmp_path):
@@ -63,13 +74,30 @@ def test_init_builds_a_model_8x_the_per_rank_budget_within_1_over_n(tmp_path):
     assert plain[0]["peak"] >= 0.9 * total  # the measurement sees a whole model when there is one
 
 
-def _hf_under_init(rank: int, world_size: int) -> dict:
+def test_init_with_nvme_builds_a_model_holding_one_layer_at_a_time(tmp_path):
+    """offload_param nvme in the config: each piece goes to NVMe as its layer is built, so the process never
+    holds more than a layer or two, whatever the model's size (here 32x a layer, 16x what a rank keeps)."""
+    layers, width = 32, 2048
+    total, largest = layers * width * width * 4, width * width * 4
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = run_distributed(
+        _construction_peak, 2, tmp_path, timeout_s=120, layers=layers, width=width, use_init=True, nvme_path=str(nvme)
+    )
+    for result in results:
+        assert result["placeholders"]
+        assert result["peak"] <= 2 * largest + 48 * MiB, f"peak {result['peak'] / MiB:.0f} MiB"
+        assert result["on_disk"] >= total / 2  # this rank's pieces are on the disk
+    assert not list(nvme.rglob("swap")), "the Init store's files outlived the pieces"
+
+
+def _hf_under_init(rank: int, world_size: int, nvme_path: str | None) -> dict:
     from tests.distributed.training import gpt2
 
     torch.manual_seed(5)
     plain = gpt2()
     torch.manual_seed(5)
-    with infinity.zero.Init():
+    with infinity.zero.Init(config=None if nvme_path is None else _nvme_config(nvme_path)):
         partitioned = gpt2()
     assert all(p.numel() == 0 for p in partitioned.parameters())
     with infinity.zero.GatheredParameters(list(partitioned.parameters())):
@@ -77,6 +105,7 @@ def _hf_under_init(rank: int, world_size: int) -> dict:
             name: torch.equal(p, dict(plain.named_parameters())[name]) for name, p in partitioned.named_parameters()
         }
         tied = partitioned.lm_head.weight is partitioned.transformer.wte.weight
+    init_folders = [] if nvme_path is None else list(Path(nvme_path).glob("*-init"))
     inputs, target = global_batch("gpt2", 0, 4)
     plain_loss = loss_fn("gpt2", plain(inputs), target).item()
     engine, *_ = infinity.initialize(
@@ -84,13 +113,22 @@ def _hf_under_init(rank: int, world_size: int) -> dict:
     )
     engine_loss = loss_fn("gpt2", engine(inputs), target).item()
     pieces_left = any(init_shard(p) is not None for p in partitioned.parameters())  # the engine owns them now
+    init_files = [] if nvme_path is None else [str(p) for p in Path(nvme_path).glob("*-init")]
     engine.destroy()
-    return {"same": same, "tied": tied, "plain_loss": plain_loss, "engine_loss": engine_loss, "left": pieces_left}
+    return {"same": same, "tied": tied, "plain_loss": plain_loss, "engine_loss": engine_loss, "left": pieces_left,
+            "init_files": init_files, "init_folders": len(init_folders)}  # fmt: skip
 
 
-def test_init_keeps_the_models_own_initialization(tmp_path):
+@pytest.mark.parametrize("pieces", ["memory", "nvme"])
+def test_init_keeps_the_models_own_initialization(tmp_path, pieces):
     pytest.importorskip("transformers")
-    for result in run_distributed(_hf_under_init, 2, tmp_path, timeout_s=240):
+    nvme = None
+    if pieces == "nvme":  # offload_param nvme: the pieces wait on NVMe for initialize()
+        nvme = tmp_path / "nvme"
+        nvme.mkdir()
+    for result in run_distributed(_hf_under_init, 2, tmp_path, timeout_s=240, nvme_path=nvme and str(nvme)):
+        assert result["init_folders"] == (pieces == "nvme"), "the pieces were not on NVMe"
+        assert not result["init_files"], "initialize() took every piece: the Init store should be gone"
         assert all(result["same"].values()), [n for n, ok in result["same"].items() if not ok]
         assert result["tied"] and not result["left"]
         assert abs(result["engine_loss"] - result["plain_loss"]) <= 1e-6 * result["plain_loss"]
