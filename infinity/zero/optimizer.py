@@ -161,10 +161,10 @@ class PartitionedOptimizer:
 
     def _local_squares(self) -> torch.Tensor:
         """This rank's share of the squared global norm, float64, on the device."""
-        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        total = 0.0
         for grad in self.grad_shards:
-            squares += torch.linalg.vector_norm(grad).double().to(self.device) ** 2
-        return squares
+            total += piece_squares(grad)
+        return torch.tensor([total], dtype=torch.float64, device=self.device)
 
     def global_grad_norm(self) -> float:
         """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""

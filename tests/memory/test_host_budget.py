@@ -4,7 +4,8 @@ The model's parameters and optimizer states (fp32 parameters, masters, Adam's tw
 are more than 3x the host budget the config allows: the staging rings of offload_param and offload_optimizer
 (the latter's gradient ring included), the gathered units stage3_max_live_parameters allows, and the gradient
 buckets of the units being reduced. With parameters, optimizer states and gradients on NVMe, the peak RSS of
-training (measured by the kernel's high-water mark, reset once initialize() has returned) stays within that
+training, from building the model (under zero.Init, which sends each piece to NVMe as its layer is built)
+through initialize() to the last step (the kernel's high-water mark), stays within that
 budget plus a fixed overhead (autograd's graph, the allocator's slack, Python objects, aio staging: nothing
 that grows with the model) above the RSS of the runtime itself. A whole-model fp32 gradient in host memory
 (here 96 MiB) would not fit.
@@ -91,10 +92,11 @@ def _runtime_baseline(nvme_path: str) -> int:
 def _train(*, rank: int, world_size: int, nvme_path: str) -> dict:
     torch.manual_seed(0)
     baseline = _runtime_baseline(nvme_path)
-    model = _model()
-    state_bytes = sum(p.numel() for p in model.parameters()) * 16
+    _reset_peak()  # from here on: building, initialize(), training
+    with infinity.zero.Init(config=config(nvme_path)):  # each piece to NVMe as its layer is built
+        model = _model()
+    state_bytes = sum(p.ds_numel for p in model.parameters()) * 16
     engine, *_ = infinity.initialize(model=model, config=config(nvme_path), model_parameters=model.parameters())
-    _reset_peak()
     losses = []
     for _ in range(STEPS):
         inputs = torch.randn(BATCH, WIDTH)
