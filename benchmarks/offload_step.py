@@ -1,5 +1,6 @@
 """ZeRO-Infinity step time: stage 3 without offload, with parameters and optimizer in host memory (cpu), and on
-NVMe; stage 2 with the optimizer on NVMe. One run, world sizes 1 and 2 (torchrun, gloo), modes alternating.
+NVMe; stage 2 with the optimizer on NVMe and without offload; and plain PyTorch FSDP2 (fully_shard per block, the
+same AdamW) for memory. One run, world sizes 1 and 2 (torchrun, gloo), modes alternating.
 
 Workload: a transformers GPT-2 small shape (124M parameters, built from GPT2Config, no download), sequence 256,
 micro batch 4 per rank, AdamW, random tokens. ``--dtype`` picks the compute precision (bf16 by default; on a CPU
@@ -13,7 +14,8 @@ the same swap store, measured in the same run (before the first mode and after t
 - NVMe traffic during the optimizer step >= 0.8 of the measured bandwidth: (read bytes / read bandwidth + written
   bytes / write bandwidth) x ranks on the disk / seconds in engine.step(), the share of the step the disk is busy;
 - seconds blocked on parameter reads, after the first step, <= 10% of the step;
-- peak RSS at world size 1 with both on NVMe <= 3 GiB.
+- peak RSS at world size 1 with both on NVMe <= 3 GiB;
+- peak RSS of stages 2 and 3 without offload <= FSDP2's, at each world size.
 Writes results/offload_step.json and .png.
 
     python benchmarks/offload_step.py --nvme-path /path/on/nvme --world-sizes 1 2 --steps 12
@@ -35,7 +37,8 @@ import time
 
 import torch
 
-MODES = ["stage3", "stage3-cpu", "stage3-nvme", "stage2-nvme"]
+MODES = ["stage3", "stage3-cpu", "stage3-nvme", "stage2-nvme", "stage2", "fsdp2"]
+OWNERS = ("optimizer", "gradients", "parameters")
 SEQ, MICRO, LR = 256, 4, 1e-4
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,6 +65,41 @@ def engine_config(mode: str, nvme_path: str, dtype: str) -> dict:
     return config
 
 
+class Fsdp2:
+    """Plain PyTorch FSDP2 with the engine's surface for the loop below: fully_shard on every block and the root,
+    torch's AdamW (fused, as the engine's), bf16 parameters in compute via MixedPrecisionPolicy when asked."""
+
+    def __init__(self, model, dtype: str) -> None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=policy)
+        self.module = fully_shard(model, mp_policy=policy)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def tier_stats(self) -> dict:
+        return {}
+
+    def destroy(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
 def worker(args) -> None:
     """One rank of one mode (under torchrun): trains ``steps`` steps, writes its measurements."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -73,7 +111,10 @@ def worker(args) -> None:
     torch.set_num_threads(max(1, args.threads // world_size))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=SEQ, use_cache=False, n_layer=args.layers))
-    engine, *_ = infinity.initialize(model=model, config=engine_config(args.mode, args.nvme_path, args.dtype))
+    if args.mode == "fsdp2":
+        engine = Fsdp2(model, args.dtype)
+    else:
+        engine, *_ = infinity.initialize(model=model, config=engine_config(args.mode, args.nvme_path, args.dtype))
     gen = torch.Generator().manual_seed(1000 + rank)
     records = []
     previous = _traffic(engine)
@@ -87,7 +128,7 @@ def worker(args) -> None:
         finished = time.perf_counter()
         now = _traffic(engine)
         records.append({
-            "step_s": finished - started, "optimizer_step_s": finished - before_step, "loss": float(loss),
+            "step_s": finished - started, "optimizer_step_s": finished - before_step, "loss": float(loss.detach()),
             **{key: now[key] - previous.get(key, 0.0) for key in now},
         })  # fmt: skip
         previous = now
@@ -176,7 +217,7 @@ def summarise(mode: str, world_size: int, out: str, skip: int) -> dict:
         "peak_rss_gib_per_rank": [r["peak_rss_bytes"] / 2**30 for r in ranks],
         "losses_rank0": [r["loss"] for r in ranks[0]["records"]],
     }
-    for owner in ("optimizer", "parameters"):
+    for owner in OWNERS:
         for direction in ("nvme_read", "nvme_write"):
             summary[f"{owner}_{direction}_gb_per_step"] = median(f"{owner}.{direction}.bytes") / 1e9
             summary[f"{owner}_{direction}_blocked_s"] = median(f"{owner}.{direction}.blocked_s")
@@ -190,12 +231,8 @@ def combine(runs: list[dict], bandwidth: dict, world_size: int) -> dict:
         max(values) for values in zip(*(run["peak_rss_gib_per_rank"] for run in runs), strict=True)
     ]
     entry["losses_rank0"] = runs[0]["losses_rank0"]
-    entry["nvme_read_gb_per_step"] = (
-        entry["optimizer_nvme_read_gb_per_step"] + entry["parameters_nvme_read_gb_per_step"]
-    )
-    entry["nvme_written_gb_per_step"] = (
-        entry["optimizer_nvme_write_gb_per_step"] + entry["parameters_nvme_write_gb_per_step"]
-    )
+    entry["nvme_read_gb_per_step"] = sum(entry[f"{owner}_nvme_read_gb_per_step"] for owner in OWNERS)
+    entry["nvme_written_gb_per_step"] = sum(entry[f"{owner}_nvme_write_gb_per_step"] for owner in OWNERS)
     entry["blocked_on_io_s"] = sum(entry[k] for k in entry if k.endswith("_blocked_s"))
     entry["parameter_read_blocked_share"] = entry["parameters_nvme_read_blocked_s"] / entry["median_step_s"]
     disk_busy_share(entry, bandwidth, world_size)
@@ -203,13 +240,15 @@ def combine(runs: list[dict], bandwidth: dict, world_size: int) -> dict:
 
 
 def disk_busy_share(entry: dict, bandwidth: dict, ranks_on_the_disk: int) -> None:
-    """The share of engine.step() the disk is busy: the bytes moved while it runs (every tile read and written;
-    at stage 3 with parameters on NVMe also the updated pieces written back) at the measured bandwidth, times the
-    ranks sharing the disk (on one machine every rank swaps to it at once), over the step's seconds."""
+    """The share of engine.step() the disk is busy: the bytes moved while it runs (every tile read and written,
+    each tile's gradient read at stage 3; with parameters on NVMe also the updated pieces written back) at the
+    measured bandwidth, times the ranks sharing the disk (on one machine every rank swaps to it at once), over
+    the step's seconds."""
     if not entry["optimizer_nvme_read_gb_per_step"]:
         return
     written = entry["optimizer_nvme_write_gb_per_step"] + entry["parameters_nvme_write_gb_per_step"]
-    busy = entry["optimizer_nvme_read_gb_per_step"] / bandwidth["read_gbps"] + written / bandwidth["write_gbps"]
+    read = entry["optimizer_nvme_read_gb_per_step"] + entry.get("gradients_nvme_read_gb_per_step", 0.0)
+    busy = read / bandwidth["read_gbps"] + written / bandwidth["write_gbps"]
     entry["optimizer_step_disk_busy_share"] = busy * ranks_on_the_disk / entry["median_optimizer_step_s"]
 
 
@@ -230,6 +269,13 @@ def targets(report: dict) -> dict:
             ]
             if world_size == "1":
                 found["world1 stage3-nvme peak RSS GiB (<= 3)"] = max(modes["stage3-nvme"]["peak_rss_gib_per_rank"])
+        if "fsdp2" in modes:
+            fsdp2 = max(modes["fsdp2"]["peak_rss_gib_per_rank"])
+            for mode in ("stage2", "stage3"):
+                if mode in modes:
+                    found[f"world{world_size} {mode} / fsdp2 peak RSS (<= 1)"] = (
+                        max(modes[mode]["peak_rss_gib_per_rank"]) / fsdp2
+                    )
     return found
 
 

@@ -63,14 +63,14 @@ class PartitionedOptimizer:
     _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
 
-    def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload) -> TiledStep:
+    def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, masters=None) -> TiledStep:
         # Before any work: an optimizer offload cannot run is a ConfigError.
         rule = rule_for(optimizer, in_memory=offload.home is Tier.DEVICE)
         tiled = TiledStep(
             tiles=cut(runs, offload.tile_numel), rule=rule, manager=offload.manager, home=offload.home,
             grads=self._tile_grad, weights=self._tile_weight, groups=len(optimizer.param_groups),
             pipeline_read=offload.pipeline_read,
-            pipeline_write=offload.pipeline_write,
+            pipeline_write=offload.pipeline_write, masters=masters,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters
@@ -403,10 +403,13 @@ class UnitOptimizer(PartitionedOptimizer):
                 expected[found[0].index] += 1
         # Tiles follow the shard itself (no gather of the masters; gradients and weights are views), in device
         # memory without offload: offloaded or not, the same tiles step, so the results are the same.
+        masters = None
         if offload is None:
             manager = TierManager(device=device)
             offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
-        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload)
+            if compute_dtype == torch.float32 and table.shards.home is Tier.DEVICE:
+                masters = self._tile_weight  # the fp32 shard is the master ([Note: tiles] in tiles.py)
+        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, masters)
         self.gradients: SwappedGradients | None = None
         self._grad_factors: list[float] = []
         if offload.gradients is not None:

@@ -5,6 +5,8 @@ With offload_optimizer, a rank's fp32 masters and optimizer states are cut into 
 range of one param group's elements inside one bucket piece (stages 1-2) or one unit piece (stage 3), at most
 ``tile_numel`` elements. Its master and states form one segment of the tier manager ([Note: tiers] in
 memory/tiers.py): [master | state 1 | state 2 ...], fp32, so an NVMe tile moves in one read and one write.
+Where the weights themselves are fp32 in device memory (stage 3, fp32, nothing offloaded) the master is the
+weight: the segment holds the states only, and no second fp32 copy of the shard exists.
 
 The step walks the tiles in order. For each: wait for its segment, run torch's own functional update for the
 user's optimizer class (Adam / AdamW / SGD, with the hyperparameters and flags read from the user's
@@ -135,11 +137,14 @@ class TiledStep:
         pipeline_read: bool = True,
         pipeline_write: bool = True,
         gradients=None,
+        masters: Callable[[Tile], torch.Tensor] | None = None,
     ) -> None:
         """``gradients``: a SwappedGradients (grads.py) when the gradient is on NVMe too; it is read ahead with
-        the tiles, and ``grads`` is not used."""
+        the tiles, and ``grads`` is not used. ``masters``: where the tile's fp32 master already lives, when the
+        weights are fp32 in memory (the master is the weight: no copy, and the segment holds only the states)."""
         self.tiles = tiles
         self.gradients = gradients
+        self.masters = masters
         self.rule = rule
         self.manager = manager
         self.grads = grads  # the tile's reduced fp32 gradient (a view)
@@ -148,7 +153,7 @@ class TiledStep:
         self.pipeline_write = pipeline_write
         self.steps = [0] * groups  # optimizer steps taken, per param group
         self.params: list[torch.nn.Parameter] = []  # rule without update: the masters as the optimizer's params
-        self.width = 1 + len(rule.states)
+        self.width = (0 if masters else 1) + len(rule.states)  # fp32 tensors per element in a segment
         for tile in tiles:
             manager.add(tile.name, tile.numel * self.width, home)
 
@@ -160,8 +165,11 @@ class TiledStep:
         """The tile's first value: ``master`` (fp32, its elements) and zero states."""
 
         def fill(segment: torch.Tensor) -> None:
-            segment[: tile.numel].copy_(master)
-            segment[tile.numel :].zero_()
+            if self.masters is None:
+                segment[: tile.numel].copy_(master)
+                segment[tile.numel :].zero_()
+            else:  # the master is the weight, which has its value already
+                segment.zero_()
 
         self.manager.initialize(tile.name, fill)
 
@@ -170,6 +178,8 @@ class TiledStep:
 
     def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         n = tile.numel
+        if self.masters is not None:
+            return self.masters(tile), [segment[k * n : (k + 1) * n] for k in range(len(self.rule.states))]
         return segment[:n], [segment[(k + 1) * n : (k + 2) * n] for k in range(len(self.rule.states))]
 
     def prefetch(self) -> None:
@@ -193,7 +203,7 @@ class TiledStep:
 
     def as_parameters(self) -> list[torch.nn.Parameter]:
         """For a rule without update: each tile's master as a parameter sharing its memory (homes in memory)."""
-        self.params = [torch.nn.Parameter(self.manager.acquire(t.name).tensor[: t.numel]) for t in self.tiles]
+        self.params = [torch.nn.Parameter(self._views(t, self.manager.acquire(t.name).tensor)[0]) for t in self.tiles]
         return self.params
 
     def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None, optimizer=None, *,
@@ -221,7 +231,8 @@ class TiledStep:
                 grad = self.grads(tile)
                 grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
-            self.weights(tile).copy_(master)
+            if self.masters is None:
+                self.weights(tile).copy_(master)
             self.manager.release(handle, dirty=True)
             if grad_handle is not None:
                 self.gradients.release(grad_handle)
@@ -240,7 +251,8 @@ class TiledStep:
         optimizer.step()
         for tile, param in zip(self.tiles, self.params, strict=True):
             param.grad = None
-            self.weights(tile).copy_(param.detach())
+            if self.masters is None:
+                self.weights(tile).copy_(param.detach())
             if on_tile is not None:
                 on_tile(tile)
 
@@ -257,7 +269,7 @@ class TiledStep:
         for tile in self.tiles if tiles is None else tiles:
             handle = self.manager.acquire(tile.name)
             try:
-                fn(tile, handle.wait()[: tile.numel])
+                fn(tile, self._views(tile, handle.wait())[0])
             finally:
                 self.manager.release(handle, dirty=dirty)
         self.manager.flush()
