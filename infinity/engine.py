@@ -307,13 +307,15 @@ class Engine(nn.Module):
         width = 1 + len(rule_for(optimizer).states)  # also refuses an optimizer offload cannot run
         nvme = spec.device == "nvme"
         manager, home = optimizer_tiers(self.config.zero, self.config.aio, self.comm, run_id=run_id)
+        gradients = gradient_tier(self.config.zero, self.config.aio, self.comm, run_id=run_id)
+        width += gradients is not None
         return Offload(
             manager=manager,
             home=home,
             tile_numel=tile_numel(self.config.zero, state_width=width, nvme=nvme),
             pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
             pipeline_write=spec.pipeline_write or not nvme,
-            gradients=gradient_tier(self.config.zero, self.config.aio, self.comm, run_id=run_id),
+            gradients=gradients,
         )
 
     def _tier_managers(self) -> dict:

@@ -172,7 +172,7 @@ class SwapLayout:
         segment = Segment(name, self.total_bytes, nbytes)
         grown = object.__new__(SwapLayout)
         object.__setattr__(grown, "segments", (*self.segments, segment))
-        object.__setattr__(grown, "_index", {**self._index, name: segment})  # no O(n) re-check per append
+        object.__setattr__(grown, "_index", {**self._index, name: segment})  # copies at C speed, no re-check
         return grown
 
     def __len__(self) -> int:

@@ -43,10 +43,11 @@ def agree_run_id(comm: Comm) -> str:
 
 
 def tile_numel(zero: ZeroConfig, *, state_width: int, nvme: bool) -> int:
-    """Elements per tile; ``state_width``: fp32 tensors per element (master + optimizer states)."""
+    """Elements per tile; ``state_width``: fp32 tensors per element in host buffers (master + optimizer states,
+    + the gradient when it is on NVMe too: its ring is as deep)."""
     if not nvme:
         return zero.sub_group_size
-    count = max(zero.offload_optimizer.buffer_count, 1)
+    count = max(zero.offload_optimizer.buffer_count, 3)  # the ring optimizer_tiers makes
     budget = min(STAGING_BUDGET_BYTES, available_host_bytes() // 4)
     cap = max(budget // (count * state_width * 4), MIN_TILE_NUMEL)
     return min(zero.sub_group_size, cap)

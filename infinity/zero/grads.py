@@ -4,8 +4,8 @@
 Without it the rank keeps its whole gradient shard in fp32 (4 bytes per element): on one rank as much as the
 parameters themselves in fp32, and the one part of the training state that would still grow with the model in
 host memory. Here each optimizer tile ([Note: tiles] in tiles.py) has a gradient segment in its own tier
-manager (a ring of buffer_count tile-sized buffers, a swap store beside the optimizer's). When a unit's
-gradient has been reduce-scattered, its piece is cut along the unit's tiles: the first micro-step of an
+manager (a ring of tile-sized buffers as deep as the optimizer's, a swap store beside the optimizer's). When a
+unit's gradient has been reduce-scattered, its piece is cut along the unit's tiles: the first micro-step of an
 accumulation window writes each tile's part, later ones read, add and write it back. The step reads each tile's
 gradient ahead together with its master and states.
 
@@ -80,7 +80,7 @@ class SwappedGradients:
             if tile.index in self.written:
                 handle = self.manager.acquire(self._name(tile))
                 grad = handle.wait()
-                grad.add_(values)
+                grad.add_(values.to(grad.device))  # a piece reduced on the GPU, a ring buffer in host memory
                 if accumulated is not piece:
                     accumulated[first : first + tile.numel].copy_(grad)
             else:

@@ -32,6 +32,7 @@ when freed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
@@ -44,7 +45,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from infinity.errors import ConfigError
+from infinity.aio.handle import AioSettings
+from infinity.errors import ConfigError, InfinityError
 from infinity.memory.host import return_freed_memory
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
@@ -52,30 +54,63 @@ from infinity.zero.partition import ALIGN
 from infinity.zero.units import stage3_runtime
 
 
+@dataclass(frozen=True, slots=True)
+class InitNvme:
+    """Where zero.Init puts the pieces when they go to NVMe: offload_param.nvme_path and the aio settings."""
+
+    nvme_path: str
+    aio: AioSettings
+
+
 class InitSwap:
     """The NVMe store of one zero.Init context ([Note: zero.Init]): pieces are appended as modules are built.
-    The pieces refer to it; when initialize() has taken the last one, it closes and its files go."""
+    The pieces refer to it; when initialize() has taken the last one, it closes and its files go. A failure on
+    one rank (a read-only path, a full disk) is raised on every rank, which would otherwise wait in the next
+    module's broadcast until the collective timeout."""
 
-    def __init__(self, nvme_path: str, aio, comm: Comm) -> None:
+    def __init__(self, settings: InitNvme, comm: Comm, device: torch.device) -> None:
         from infinity.aio.handle import AioHandle
         from infinity.memory.nvme_store import NvmeStore
         from infinity.memory.offload import agree_run_id
 
-        handle = AioHandle.from_settings(aio)
+        self.comm = comm
+        self.device = device
+        handle = AioHandle.from_settings(settings.aio)
+        run_id = f"{agree_run_id(comm)}-init"
         try:
-            run_id = f"{agree_run_id(comm)}-init"
-            self.store = NvmeStore(nvme_path, handle=handle, rank=comm.rank, run_id=run_id).open()
+            with self._agreed("opening the zero.Init swap store"):
+                self.store = NvmeStore(settings.nvme_path, handle=handle, rank=comm.rank, run_id=run_id).open()
         except BaseException:
             handle.close()
             raise
         self._names = itertools.count()
         weakref.finalize(self, _close_swap, self.store, handle)
 
-    def put(self, piece: torch.Tensor) -> SwappedPiece:
+    @contextlib.contextmanager
+    def _agreed(self, what: str):
+        """Runs the block on every rank; if it failed anywhere, every rank raises (the failing one its own error)."""
+        failed = torch.zeros(1, device=self.device)
+        try:
+            yield
+        except BaseException:
+            failed.fill_(1.0)
+            collectives.all_reduce_max_(self.comm, failed)
+            raise
+        collectives.all_reduce_max_(self.comm, failed)
+        if failed.item():
+            raise InfinityError(f"zero.Init: {what} failed on another rank (its log has the error)")
+
+    def put(self, piece: torch.Tensor, owner: str) -> SwappedPiece:
+        """``owner``: the parameter's shape and module, for the error if the disk is full."""
         name = f"piece{next(self._names)}"
-        self.store.append(name, piece.numel() * piece.element_size())
-        swapped = SwappedPiece(self, name, piece.numel())
-        swapped.write(piece)
+        with self._agreed(f"writing the piece of {owner} to NVMe"):
+            try:
+                self.store.append(name, piece.numel() * piece.element_size())
+            except InfinityError as error:
+                error.add_note(f"zero.Init was writing the piece of {owner}")
+                raise
+            swapped = SwappedPiece(self, name, piece.numel())
+            swapped.write(piece)
         return swapped
 
 
@@ -149,7 +184,7 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
 
 def _partition(
     param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torch.device | None = None,
-    swap: InitSwap | None = None,
+    swap: InitSwap | None = None, module_of: nn.Module | None = None,
 ) -> None:  # fmt: skip
     """``device``: where the piece lives (the compute device: NCCL broadcasts device tensors); default the
     parameter's own. ``swap``: a new piece goes to NVMe there."""
@@ -173,7 +208,10 @@ def _partition(
         if swap is None:
             _SHARDS[param] = InitShard(piece=piece.clone(), **common)
         else:
-            _SHARDS[param] = InitShard(piece=None, swapped=swap.put(piece), **common)
+            owner = f"a parameter of shape {tuple(data.shape)}"
+            if module_of is not None:
+                owner += f" in {type(module_of).__name__}"
+            _SHARDS[param] = InitShard(piece=None, swapped=swap.put(piece, owner), **common)
         param.ds_shape = data.shape  # DeepSpeed's public attributes of a partitioned parameter
         param.ds_numel = numel
     else:
@@ -235,8 +273,10 @@ class Init:
 
     Accepts DeepSpeed's arguments ``config`` / ``config_dict_or_path`` (offload_param and aio are read: with
     offload_param on NVMe the pieces go there as they are cut), ``remote_device`` ("nvme" sends them to
-    offload_param.nvme_path of the config even if its device says otherwise; "cpu" / None keep them in memory)
-    and ``enabled``; the process group is the engine's (torchrun's environment, or one the caller made)."""
+    offload_param.nvme_path of the config even if its device says otherwise; "cpu" or "none" keep them in
+    memory, on the compute device, whatever the config says; None follows the config) and ``enabled``; the
+    process group is the engine's (torchrun's environment, or one the caller made). The pieces on NVMe stay
+    there until initialize() has moved each into the engine's own swap files: the disk holds both for a while."""
 
     def __init__(self, module=None, *, config=None, config_dict_or_path=None, remote_device=None,
                  enabled: bool = True, **_ignored):  # fmt: skip
@@ -253,8 +293,8 @@ class Init:
         self.device: torch.device | None = None
 
     @staticmethod
-    def _nvme_settings(raw, remote_device):
-        """(nvme_path, aio settings) when the pieces go to NVMe, else None; the config is validated either way."""
+    def _nvme_settings(raw, remote_device: str | None) -> InitNvme | None:
+        """Where the pieces go when they go to NVMe, else None; the config is validated either way."""
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ConfigError(f'zero.Init: remote_device must be "cpu", "nvme" or None, got {remote_device!r}')
         if raw is None:
@@ -264,8 +304,13 @@ class Init:
         from infinity.config import offload_sections
 
         zero, aio = offload_sections(raw)
-        if zero.offload_param.device == "nvme" and remote_device in (None, "nvme") or remote_device == "nvme":
-            return zero.offload_param.nvme_path, aio
+        if (zero.offload_param.device == "nvme" and remote_device is None) or remote_device == "nvme":
+            if not zero.offload_param.nvme_path:
+                raise ConfigError(
+                    "zero.Init sends the pieces to NVMe but zero_optimization.offload_param.nvme_path is not set: "
+                    "set it to a directory on a fast local disk"
+                )
+            return InitNvme(zero.offload_param.nvme_path, aio)
         return None
 
     def __enter__(self):
@@ -277,7 +322,7 @@ class Init:
         self.device = compute_device()
         return_freed_memory()  # [Note: zero.Init memory]
         if self._nvme is not None and self._swap is None:
-            self._swap = InitSwap(self._nvme[0], self._nvme[1], self.comm)
+            self._swap = InitSwap(self._nvme, self.comm, self.device)
         for cls in _all_subclasses(nn.Module) | {nn.Module}:
             self._wrap(cls)
         self._originals[type] = nn.Module.__dict__.get("__init_subclass__")
@@ -331,7 +376,7 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for param in module.__dict__.get("_parameters", {}).values():
             if param is not None and init_shard(param) is None:
-                _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap)
+                _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap, module_of=module)
 
 
 class GatheredParameters:

@@ -179,7 +179,8 @@ class PartitionedOptimizer:
 
     # ---- accounting ----
     def state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: fp32 masters plus every optimizer state tensor."""
+        """Bytes this rank holds for the optimizer: fp32 masters (unless the fp32 weights are the masters, stage 3
+        without offload) plus every optimizer state tensor."""
         if self.tiled is not None:
             return self.tiled.state_bytes()
         total = sum(m.numel() * m.element_size() for m in self.masters)

@@ -293,6 +293,8 @@ class TiledStep:
         try:
             self._drop_ahead()
         finally:
-            self.manager.close()
-            if self.gradients is not None:
-                self.gradients.close()
+            try:
+                self.manager.close()
+            finally:
+                if self.gradients is not None:
+                    self.gradients.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from torch import nn
 import infinity
 import infinity.memory.host
 import infinity.zero
+from infinity.errors import ConfigError
 from infinity.zero.init import init_shard
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import (
@@ -51,10 +53,14 @@ def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_
     else:
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     peak = _rss_bytes("VmHWM") - before
-    on_disk = 0
+    placeholders = all(p.numel() == 0 for p in model.parameters())
+    on_disk, left = 0, []
     if nvme_path is not None:
         on_disk = sum(f.stat().st_size for f in Path(nvme_path).rglob(f"rank{rank}/*") if f.name != "lock")
-    return {"peak": peak, "placeholders": all(p.numel() == 0 for p in model.parameters()), "on_disk": on_disk}
+        del model
+        gc.collect()
+        left = [str(f) for f in Path(nvme_path).rglob(f"rank{rank}/swap")]  # the pieces' store goes with them
+    return {"peak": peak, "placeholders": placeholders, "on_disk": on_disk, "left": left}
 
 
 def test_init_builds_a_model_8x_the_per_rank_budget_within_1_over_n(tmp_path):
@@ -88,7 +94,16 @@ def test_init_with_nvme_builds_a_model_holding_one_layer_at_a_time(tmp_path):
         assert result["placeholders"]
         assert result["peak"] <= 2 * largest + 48 * MiB, f"peak {result['peak'] / MiB:.0f} MiB"
         assert result["on_disk"] >= total / 2  # this rank's pieces are on the disk
-    assert not list(nvme.rglob("swap")), "the Init store's files outlived the pieces"
+        assert not result["left"], "the Init store's files outlived the pieces"
+
+
+def test_init_refuses_nvme_without_a_path():
+    with pytest.raises(ConfigError, match="offload_param.nvme_path is not set"):
+        infinity.zero.Init(config={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    with pytest.raises(ConfigError, match="offload_param.nvme_path is not set"):
+        infinity.zero.Init(config={"zero_optimization": {"stage": 3}}, remote_device="nvme")
+    with pytest.raises(ConfigError, match='remote_device must be "cpu", "nvme" or None'):
+        infinity.zero.Init(remote_device="disk")
 
 
 def _hf_under_init(rank: int, world_size: int, nvme_path: str | None) -> dict:

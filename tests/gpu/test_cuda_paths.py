@@ -130,6 +130,32 @@ def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param
     assert list(tmp_path.iterdir()) == []
 
 
+def test_nvme_gradients_accumulate_on_cuda(tmp_path):
+    """Stage 3 with the optimizer on NVMe keeps the gradient there ([Note: swapped gradients]): with two micro-steps
+    per step the second reduced piece (on the device) is added to the first one read back into a host buffer."""
+    zero = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "max_in_cpu": 0}}
+    settings = config(3, **zero)
+    settings["train_micro_batch_size_per_gpu"] = MICRO // 2
+    settings["gradient_accumulation_steps"] = 2
+    engine, *_ = infinity.initialize(model=mlp(), config=settings)
+    assert "gradients" in engine.tier_stats()
+    losses = []
+    for x, y in batches():
+        total = 0.0
+        for half in (slice(0, MICRO // 2), slice(MICRO // 2, MICRO)):
+            loss = F.mse_loss(engine(x[half]), y[half].cuda())
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / 2
+        losses.append(total)
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    assert_close((losses, params), plain_cuda())  # the mean over two halves is the mean over the batch
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_zero_init_keeps_pieces_on_the_device():
     with infinity.zero.Init():
         model = mlp()

@@ -327,6 +327,51 @@ def test_read_only_nvme_path(tmp_path, handle):
         folder.chmod(0o700)
 
 
+# ---- growing an open store (zero.Init) ----
+def test_append_grows_an_open_store_and_keeps_what_is_there(tmp_path, handle):
+    store = NvmeStore(tmp_path, handle=handle, segments=[("first", 5000)]).open()
+    try:
+        first = random_tensor(5000)
+        store.sync_write("first", first)
+        added = {name: random_tensor(nbytes, seed=i + 1) for i, (name, nbytes) in enumerate(ODD_SIZES)}
+        for name, values in added.items():
+            segment = store.append(name, values.numel())
+            assert segment.offset % 4096 == 0 and segment.offset >= store.layout["first"].end
+            store.sync_write(name, values)
+        assert os.path.getsize(store.swap_path) == store.layout.total_bytes
+        back = torch.empty(5000, dtype=torch.uint8)
+        store.sync_read("first", back)
+        assert torch.equal(back, first)
+        for name, values in added.items():
+            back = torch.empty_like(values)
+            store.sync_read(name, back)
+            assert torch.equal(back, values), name
+        with pytest.raises(ConfigError, match="'first' is already in this store"):
+            store.append("first", 10)
+        os.truncate(store.swap_path, store.layout["big"].offset)  # the appended tail is checked like the rest
+        with pytest.raises(ShortTransferError, match="was truncated"):
+            store.read("first", back[:5000].clone())
+    finally:
+        store.close()
+    assert tree(tmp_path) == []
+
+
+def test_append_needs_an_open_store_and_room_on_the_disk(tmp_path, handle):
+    store = NvmeStore(tmp_path, handle=handle, segments=[("a", 10)])
+    with pytest.raises(ConfigError, match=r"append\(\) needs an open store"):
+        store.append("b", 10)
+    store.open()
+    try:
+        vfs = os.statvfs(tmp_path)
+        with pytest.raises(TierBudgetError, match=r"needs .* more for segment 'huge'") as info:
+            store.append("huge", vfs.f_bavail * vfs.f_frsize + (1 << 30))
+        assert repr(str(tmp_path)) in str(info.value)
+        assert "huge" not in store.layout  # nothing changed
+        assert os.path.getsize(store.swap_path) == store.layout.total_bytes
+    finally:
+        store.close()
+
+
 # ---- checks at read and write ----
 @pytest.mark.parametrize("damage", ["truncated", "deleted", "replaced"])
 def test_damaged_swap_file_fails_the_read_naming_it(tmp_path, handle, damage):
