@@ -7,12 +7,14 @@ gloo has no AVG reduction, so averages are a SUM followed by a division.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from infinity.errors import CollectiveError
+from infinity.zero.partition import Bucket
 
 # torch 2.13 names the flat-tensor collectives *_single (the *_tensor names warn); older releases lack them.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -127,6 +129,34 @@ def broadcast_(comm: Comm, tensor: torch.Tensor, *, src: int) -> torch.Tensor:
         with _reported(comm, f"broadcast from rank {src}"):
             dist.broadcast(tensor, src=src, group=comm.group)
     return tensor
+
+
+def flat_from_rank0(
+    comm: Comm, bucket: Bucket, values: Iterable[torch.Tensor], *, dtype: torch.dtype, device: torch.device,
+    broadcast: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """The bucket's flat buffer (``bucket.padded_numel``, zero padding) with ``values`` (one per slot, in order)
+    at their slots, as rank 0 has them: every rank starts from rank 0's weights, as DeepSpeed broadcasts the
+    model at start. The one flatten-pad-broadcast of zero.Init, stage 3's units and the buckets of stages 0-2;
+    each cuts its piece with ``bucket.piece_range``. ``values`` is consumed one at a time (a generator keeps one
+    whole parameter alive at a time); a lone contiguous value that needs no padding is used in place (no copy:
+    under zero.Init a second full-size buffer per module would fragment the heap)."""
+    values = iter(values)
+    if len(bucket.slots) == 1:
+        value = next(values)
+        in_place = value.numel() == bucket.padded_numel and value.is_contiguous()
+        if in_place and value.dtype == dtype and value.device == device:
+            flat = value.view(-1)
+        else:
+            flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
+            flat[: value.numel()].copy_(value.reshape(-1))
+    else:
+        flat = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
+        for slot, value in zip(bucket.slots, values, strict=True):
+            flat[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+    if broadcast:
+        broadcast_(comm, flat, src=0)
+    return flat
 
 
 def all_reduce_sum_(comm: Comm, tensor: torch.Tensor) -> torch.Tensor:

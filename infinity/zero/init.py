@@ -50,7 +50,7 @@ from infinity.errors import ConfigError, InfinityError
 from infinity.memory.host import return_freed_memory
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
-from infinity.zero.partition import ALIGN
+from infinity.zero.partition import layout_from_runs
 from infinity.zero.units import stage3_runtime
 
 
@@ -191,17 +191,10 @@ def _partition(
     data = param.data
     device = data.device if device is None else device
     numel = data.numel()
-    multiple = comm.world_size * ALIGN
-    padded = -(-max(numel, 1) // multiple) * multiple
-    if padded == numel and data.is_contiguous() and data.device == device:
-        flat = data.view(-1)  # no copy: a second full-size buffer per module would fragment the heap
-    else:
-        flat = torch.zeros(padded, dtype=data.dtype, device=device)
-        flat[:numel].copy_(data.reshape(-1))
-    if broadcast:
-        collectives.broadcast_(comm, flat, src=0)
-    piece_numel = flat.numel() // comm.world_size
-    piece = flat[comm.rank * piece_numel : (comm.rank + 1) * piece_numel]
+    bucket = layout_from_runs(0, [numel], [[0]], world_size=comm.world_size).buckets[0]
+    flat = collectives.flat_from_rank0(comm, bucket, [data], dtype=data.dtype, device=device, broadcast=broadcast)
+    start, end = bucket.piece_range(comm.rank)
+    piece = flat[start:end]
     shard = init_shard(param)
     if shard is None:
         common = {"shape": data.shape, "comm": comm, "dtype": data.dtype, "device": device}

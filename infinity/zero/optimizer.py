@@ -281,11 +281,8 @@ class ZeroOptimizer(PartitionedOptimizer):
         master = torch.empty(0 if self.tiled else layout.shard_numel, dtype=torch.float32, device=self.device)
         weights = []
         for bucket in layout.buckets:
-            flat = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=self.device)
-            for slot in bucket.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(params[slot.param_index].detach().reshape(-1))
-            # Every rank starts from rank 0's weights, as DeepSpeed broadcasts the model at initialization.
-            collectives.broadcast_(self.comm, flat, src=0)
+            values = (params[slot.param_index].detach() for slot in bucket.slots)
+            flat = collectives.flat_from_rank0(self.comm, bucket, values, dtype=torch.float32, device=self.device)
             start, end = bucket.piece_range(self.shard_rank)
             if self.tiled is not None:
                 for tile in self.tiled.tiles_of(layout.group, bucket.index):

@@ -253,10 +253,8 @@ def fill_units(
     made anywhere."""
     for unit in table.units:
         bucket = unit.bucket
-        full = torch.zeros(bucket.padded_numel, dtype=torch.float32, device=unit.full.device)
-        for slot, param in zip(bucket.slots, unit.params, strict=True):
-            full[slot.offset : slot.offset + slot.numel].copy_(full_value(param).reshape(-1))
-        collectives.broadcast_(comm, full, src=0)
+        wholes = (full_value(param) for param in unit.params)
+        full = collectives.flat_from_rank0(comm, bucket, wholes, dtype=torch.float32, device=unit.full.device)
         start, end = bucket.piece_range(comm.rank)
         table.shards.store(unit.index, full[start:end].to(unit.full.dtype))
         if on_piece is not None:
