@@ -10,13 +10,14 @@ same configuration without offload_optimizer on the same rank. Swap files live u
 real disk); none may be left once the runs end.
 
 Covered (6 steps, gradient accumulation 2, clipping 1.0 unless said): the transformer at stages 1-3 with cpu and
-nvme, GPT-2 at stages 1-3 with nvme (AdamW from the config); bf16 (transformer stage 2, GPT-2 stage 3, nvme); fp16
-with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe keeps its gradient there too, [Note: swapped
-gradients]); many tiles per group (sub_group_size 64 and 100) with and without pipelined reads and
-writes, which must also equal the one-tile run; torch.optim.SGD (momentum, dampening) and torch.optim.Adam (weight
-decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by group;
-a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without clipping;
-parameters on NVMe with offload_param.max_in_cpu 0 (every piece on NVMe) and 4000 (some kept in host memory).
+nvme, GPT-2 at stages 1-3 with nvme (AdamW from the config), the MLP at stages 1-3 with nvme; bf16 (transformer
+stage 2, GPT-2 stage 3, nvme); fp16 with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe keeps its gradient
+there too, [Note: swapped gradients]); many tiles per group (sub_group_size 64 and 100) with and without pipelined
+reads and writes, which must also equal the one-tile run; torch.optim.SGD (momentum, dampening) and torch.optim.Adam
+(weight decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by
+group; a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without
+clipping; parameters on NVMe with offload_param.max_in_cpu 0 (every piece on NVMe) and 4000 (some kept in host
+memory).
 
 Stage 3 steps the same tiles in device memory when nothing is offloaded, so the gradient norm (and with it the
 clip coefficient) is summed over the same layout either way (test_stage3_grad_norm_is_the_same_with_offload).
@@ -130,6 +131,8 @@ OFFLOADED = (
     # clipping 1.0)
     [Run("transformer", stage, device) for stage in (1, 2, 3) for device in ("cpu", "nvme")]
     + [Run("gpt2", stage, "nvme") for stage in (1, 2, 3)]
+    # the MLP (a Linear with a tiny bias: pieces of many sizes) with both on NVMe and the optimizer alone
+    + [Run("mlp", stage, "nvme") for stage in (1, 2)] + [Run("mlp", 3, "nvme", param_device="nvme")]
     + [Run("transformer", 2, "nvme", "bf16"), Run("gpt2", 3, "nvme", "bf16")]
     # fp16 from a high loss scale: the first steps overflow and are skipped, with reads ahead in the ring
     + [Run("transformer", 2, "nvme", "fp16", sub_group_size=64, pipeline=True),
