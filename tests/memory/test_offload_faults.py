@@ -124,6 +124,24 @@ def test_damaged_swap_file_fails_the_next_step_naming_it(nvme, damage, offload):
     assert tree(nvme) == []
 
 
+def test_deleted_gradient_swap_file_fails_the_step_naming_it(nvme):
+    """Stage 3 keeps the gradient on NVMe beside the optimizer ([Note: swapped gradients]): its swap file deleted
+    between steps fails the next step with an AioError naming it, and a retry fails the same way. (A truncated
+    one is rewritten whole by the next backward before any read: nothing is lost.)"""
+    engine, *_ = infinity.initialize(model=build(MODEL), config=nvme_config(nvme, stage=3, **SERIAL))
+    try:
+        train_step(engine, 0)
+        (swap,) = sorted(Path(nvme).glob("infinity-*-gradients/rank0/swap"))
+        swap.unlink()
+        for attempt in range(2):
+            with pytest.raises(AioError, match="deleted") as info:
+                train_step(engine, 1 + attempt)
+            assert info.value.path == str(swap) and info.value.errno == errno.ENOENT, attempt
+    finally:
+        engine.destroy()
+    assert tree(nvme) == []
+
+
 # ---- unusable nvme_path, unsupported optimizers: ConfigError at initialize ----
 @pytest.mark.parametrize("kind", ["missing", "file", "read-only"])
 def test_unusable_nvme_path_is_a_config_error_at_initialize(tmp_path, kind):
