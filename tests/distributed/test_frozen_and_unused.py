@@ -264,6 +264,24 @@ def test_stage3_matches_plain_pytorch(name, world_size, tmp_path):
         assert_matches(result, ref_losses, ref_params)
 
 
+@pytest.mark.parametrize(("name", "subset"), [("lora", "all"), ("scaled-frozen-reentrant", "all"),
+                                            ("unused", "all"), ("scaled-frozen", "last")])  # fmt: skip
+def test_stage3_with_everything_on_nvme_matches_plain_pytorch(name, subset, tmp_path):
+    """The same breakages with parameters, optimizer states and gradients on NVMe ([Note: swapped gradients]):
+    frozen units, an unused layer, reentrant checkpointing, parameters outside the optimizer."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    offload = {"device": "nvme", "nvme_path": str(nvme)}
+    cfg = config(3, offload_optimizer=offload, offload_param={**offload, "max_in_cpu": 0})
+    results = run_distributed(
+        _engine_run, 2, workdir(tmp_path, "run"), timeout_s=180, name=name, config=cfg, subset=subset
+    )
+    ref_losses, ref_params = reference(name, 2, subset=subset)
+    for result in results:
+        assert_matches(result, ref_losses, ref_params)
+    assert not list(nvme.iterdir())
+
+
 def workdir(tmp_path, name) -> str:
     path = tmp_path / str(name)
     path.mkdir()
