@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.grads import SwappedGradients, piece_squares
-from infinity.zero.partition import GroupLayout, overlap, plan
+from infinity.zero.partition import Bucket, GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.tiles import Tile, TiledStep, cut, rule_for
 from infinity.zero.units import Unit, UnitTable
@@ -204,6 +205,28 @@ class PartitionedOptimizer:
             self.tiled.close()
 
 
+MAX_TILE_GATHERS = 2
+
+
+@dataclass(slots=True)
+class _TileGather:
+    """One tile's weights on their way from every rank (ZeroOptimizer._step_tiles)."""
+
+    pending: collectives.Pending
+    gathered: torch.Tensor  # (world_size * numel,): rank r's tile at [r * numel, (r + 1) * numel)
+    flat: torch.Tensor  # the bucket's weights
+    bucket: Bucket
+    offset: int  # the tile's first element within each rank's piece
+    numel: int
+
+    def land(self, own_rank: int) -> None:
+        self.pending.wait()
+        for rank in range(len(self.gathered) // self.numel):
+            if rank != own_rank:  # the own range is where the gather read from
+                first = self.bucket.piece_range(rank)[0] + self.offset
+                self.flat[first : first + self.numel].copy_(self.gathered[rank * self.numel : (rank + 1) * self.numel])
+
+
 def _drop_grad(then: Callable[[], None] | None):
     def hook(param: torch.Tensor) -> None:
         param.grad = None
@@ -249,7 +272,6 @@ class ZeroOptimizer(PartitionedOptimizer):
             runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
                     for b in layout.buckets]  # fmt: skip
             self.tiled = self._make_tiled(optimizer, runs, offload)
-            self._last_tile = {(t.group, t.piece): t.index for t in self.tiled.tiles}
         for params, layout in zip(self.groups, self.layouts, strict=True):
             self._flatten_group(params, layout)
         if self.tiled is None:
@@ -313,19 +335,32 @@ class ZeroOptimizer(PartitionedOptimizer):
         return self._piece_view(tile)
 
     def _step_tiles(self) -> None:
-        """Each bucket is all-gathered as soon as its last tile has stepped, behind the following tiles."""
-        pending = []
+        """Each tile's new weights are all-gathered from every rank as soon as it has stepped, behind the following
+        tiles' reads and writes (every rank cuts its piece of a bucket into tiles at the same offsets, so tile k
+        of each rank covers the same range of its piece). A bucket gathered whole after its last tile would keep
+        the disk idle while it travels (measured: stage 2 with one 124M-element bucket, world size 2, disk busy
+        69% of the step). At most MAX_TILE_GATHERS are in flight, each holding world_size x the tile."""
+        if not self.comm.active:
+            self.tiled.step(self.optimizer.param_groups)
+            return
+        pending: deque[_TileGather] = deque()
 
         def on_tile(tile: Tile) -> None:
-            if tile.index == self._last_tile[(tile.group, tile.piece)] and self.comm.active:
-                bucket = self.layouts[tile.group].buckets[tile.piece]
-                flat = self.weights[tile.group][tile.piece]
-                start, end = bucket.piece_range(self.shard_rank)
-                pending.append(collectives.all_gather_pieces(self.comm, flat, flat[start:end].clone(), async_op=True))
+            bucket = self.layouts[tile.group].buckets[tile.piece]
+            flat = self.weights[tile.group][tile.piece]
+            offset = tile.start - bucket.shard_offset  # within each rank's piece
+            mine = bucket.piece_range(self.shard_rank)[0] + offset
+            gathered = torch.empty(tile.numel * self.comm.world_size, dtype=flat.dtype, device=flat.device)
+            handle = collectives.all_gather_pieces(
+                self.comm, gathered, flat[mine : mine + tile.numel], async_op=True
+            )
+            pending.append(_TileGather(handle, gathered, flat, bucket, offset, tile.numel))
+            while len(pending) > MAX_TILE_GATHERS:
+                pending.popleft().land(self.shard_rank)
 
         self.tiled.step(self.optimizer.param_groups, on_tile)
-        for item in pending:
-            item.wait()
+        while pending:
+            pending.popleft().land(self.shard_rank)
 
     def fp32_shards(self) -> list[torch.Tensor]:
         if self.tiled is None:
