@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -28,7 +29,9 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 _done = False
 
 
+@functools.cache
 def _libc():
+    """The C library, looked up once (find_library may run a subprocess)."""
     name = ctypes.util.find_library("c")
     try:
         return ctypes.CDLL(name or "libc.so.6")

@@ -516,6 +516,12 @@ if _fallocate is not None:
     _fallocate.restype = ctypes.c_int
 
 
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
+
+
 def _preallocate(fd: int, nbytes: int, path: str, offset: int = 0) -> None:
     """Size the file to ``offset + nbytes`` and reserve the blocks of [offset, offset + nbytes) where the
     filesystem can (fallocate), so a full disk fails here, at open, and not in the middle of training. Else
@@ -681,8 +687,7 @@ class NvmeStore:
         _check_nvme_path(self.nvme_path)
         remove_stale_folders(self.nvme_path)
         layout = SwapLayout.from_sizes(self._sizes.items())
-        vfs = os.statvfs(self.nvme_path)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = _free_bytes(self.nvme_path)
         if layout.total_bytes > free:
             raise TierBudgetError(
                 f"the NVMe swap file of rank {self.rank} needs {layout.total_bytes} bytes "
@@ -712,8 +717,7 @@ class NvmeStore:
             raise ConfigError(f"swap segment {name!r}: append() needs an open store (add() before open())")
         layout = self._layout.appended(name, nbytes)
         segment = layout[name]
-        vfs = os.statvfs(self.nvme_path)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = _free_bytes(self.nvme_path)
         if segment.padded_nbytes > free:
             raise TierBudgetError(
                 f"the NVMe swap file of rank {self.rank} needs {_human(segment.padded_nbytes)} more for segment "

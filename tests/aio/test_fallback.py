@@ -43,9 +43,8 @@ def test_direct_io_turned_off(disk_dir, size):
         round_trip(handle, str(disk_dir / "buffered.bin"), size)
 
 
-def test_filesystem_refusing_o_direct_falls_back_with_one_warning(disk_dir, monkeypatch):
-    """Simulates a filesystem that refuses O_DIRECT at open (EINVAL), as tmpfs did before Linux 6.6;
-    the data still goes to the real disk."""
+def refuse_o_direct(monkeypatch) -> None:
+    """Makes os.open refuse O_DIRECT (EINVAL), as tmpfs did before Linux 6.6; other opens go through."""
     real_open = os.open
 
     def refusing_open(path, flags, *args, **kwargs):
@@ -54,6 +53,11 @@ def test_filesystem_refusing_o_direct_falls_back_with_one_warning(disk_dir, monk
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", refusing_open)
+
+
+def test_filesystem_refusing_o_direct_falls_back_with_one_warning(disk_dir, monkeypatch):
+    """Simulates a filesystem that refuses O_DIRECT at open; the data still goes to the real disk."""
+    refuse_o_direct(monkeypatch)
     path = str(disk_dir / "refused.bin")
     with AioHandle() as handle:
         with pytest.warns(DirectIOFallbackWarning, match="refused O_DIRECT") as record:

@@ -12,6 +12,7 @@ import torch
 from infinity import AioError, AioHandle, ShortTransferError
 from infinity.aio import AioFile, DirectIOFallbackWarning, open_file
 from infinity.aio import handle as handle_module
+from tests.aio.test_fallback import refuse_o_direct
 from tests.aio.test_requests import WorkerGate, fd_count
 from tests.conftest import MiB, as_bytes, random_tensor
 
@@ -155,14 +156,7 @@ def test_failed_opens_leave_no_descriptor(disk_dir):
 
 
 def test_a_filesystem_refusing_o_direct_gives_a_buffered_open_file(disk_dir, monkeypatch):
-    real_open = os.open
-
-    def refusing_open(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refusing_open)
+    refuse_o_direct(monkeypatch)
     path = str(disk_dir / "refused.bin")
     with pytest.warns(DirectIOFallbackWarning, match="refused O_DIRECT"):
         file = open_file(path, write=True)
