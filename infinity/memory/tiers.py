@@ -157,6 +157,8 @@ class TierManager:
         self._writing: deque[_Slot] = deque()  # in submission order
         self._writing_by_name: dict[str, _Slot] = {}
         self._held: dict[str, SegmentHandle] = {}  # NVMe segments in a ring buffer, by name
+        # write_from(block=False): writes not from the ring, each with the tensor it reads from
+        self._loose_writes: dict[str, tuple[SegmentRequest, int, torch.Tensor]] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._open = False
@@ -210,6 +212,9 @@ class TierManager:
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
+        self._reap_loose_writes()
+        if name in self._loose_writes:
+            self.settle(name)
         pending = self._writing_by_name.get(name)
         if pending is not None:  # its newest bytes are in that buffer: take it back once written
             self._writing.remove(pending)
@@ -250,26 +255,41 @@ class TierManager:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
         spec = self._specs[name]
-        self._settle(name)
+        self.settle(name)
         self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
 
-    def write_from(self, name: str, values: torch.Tensor) -> None:
-        """Blocking write of ``values`` into an NVMe segment."""
+    def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
+        """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller, who must not
+        change ``values`` until ``settle(name)`` or ``flush()`` (a later read or write of the segment waits)."""
         spec = self._specs[name]
-        self._settle(name)
-        self._wait(self.store.write(name, values.contiguous()), "nvme_write", spec.nbytes)
+        self.settle(name)
+        request = self.store.write(name, values.contiguous())
+        if block:
+            self._wait(request, "nvme_write", spec.nbytes)
+        else:
+            self._loose_writes[name] = (request, spec.nbytes, values)  # values kept alive until it lands
 
-    def _settle(self, name: str) -> None:
+    def _reap_loose_writes(self) -> None:
+        """Finishes the loose writes that are done, so their tensors are freed."""
+        for name in [n for n, (request, *_) in self._loose_writes.items() if request.done()]:
+            self.settle(name)
+
+    def settle(self, name: str) -> None:
         """Waits for the segment's write in flight, if any."""
         pending = self._writing_by_name.get(name)
         if pending is not None:
             self._writing.remove(pending)
             self._finish_write(pending)
+        loose = self._loose_writes.pop(name, None)
+        if loose is not None:
+            self._wait(loose[0], "nvme_write", loose[1])
 
     def flush(self) -> None:
         """Waits for every write in flight."""
         while self._writing:
             self._finish_write(self._writing.popleft())
+        for name in list(self._loose_writes):
+            self.settle(name)
 
     def _free_slot(self, *, block: bool) -> _Slot | None:
         for slot in self._ring:
@@ -309,7 +329,8 @@ class TierManager:
         held = self._held.get(name)
         if held is not None:
             return Residency.RESIDENT if held.ready() else Residency.IN_FLIGHT
-        return Residency.IN_FLIGHT if name in self._writing_by_name else Residency.ABSENT
+        in_flight = name in self._writing_by_name or name in self._loose_writes
+        return Residency.IN_FLIGHT if in_flight else Residency.ABSENT
 
     # ---- accounting ----
     def stats(self) -> TierStats:
@@ -344,6 +365,7 @@ class TierManager:
             self._open = False
             self._writing.clear()
             self._writing_by_name.clear()
+            self._loose_writes.clear()
             self._held.clear()
             for slot in self._ring:
                 slot.buffer.release()

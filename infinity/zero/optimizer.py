@@ -455,6 +455,12 @@ class UnitOptimizer(PartitionedOptimizer):
         self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
             self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
+        # Units whose tiles cover every element of the rank's piece that holds a parameter: the step writes the
+        # whole piece, so an offloaded one is not read back first.
+        self._tiles_cover = {
+            unit for unit, tiles in self._tiles_of_unit.items()
+            if sum(t.numel for t in tiles) == table.shards.held_numel(unit)
+        }  # fmt: skip
         self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         self.masters = []
@@ -531,7 +537,8 @@ class UnitOptimizer(PartitionedOptimizer):
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
         """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed)."""
         first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
-        return self.table.shards.edit(tile.piece)[first : first + tile.numel]
+        piece = self.table.shards.edit(tile.piece, overwrite=tile.piece in self._tiles_cover)
+        return piece[first : first + tile.numel]
 
     def _step_tiles(self) -> None:
         last = self._last_tile

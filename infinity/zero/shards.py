@@ -84,6 +84,8 @@ class UnitShards:
         self._staged: dict[int, SegmentHandle] = {}
         self._editing: dict[int, SegmentHandle] = {}
         self._editing_outsized: dict[int, torch.Tensor] = {}
+        # outsized pieces the step just wrote (asynchronously): the next gather takes them from here, not the disk
+        self._fresh: dict[int, torch.Tensor] = {}
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
             self.kept = frozenset(host_kept(movable, host_numel))
@@ -132,6 +134,8 @@ class UnitShards:
             out.copy_(piece, non_blocking=piece.device.type == "cpu")  # as from the HOST home's flat shard
         elif self.flat is not None:
             out.copy_(self.flat[self._span(index)], non_blocking=True)
+        elif index in self._fresh:
+            out.copy_(self._fresh.pop(index))  # its write may still be reading it: the manager holds it till done
         elif index in self._staged:
             handle = self._staged.pop(index)
             out.copy_(handle.wait())
@@ -155,6 +159,13 @@ class UnitShards:
         for handle in self._staged.values():
             self.manager.release(handle, dirty=False)
         self._staged.clear()
+        self._drop_fresh()
+
+    def _drop_fresh(self, index: int | None = None) -> None:
+        if index is None:
+            self._fresh.clear()
+        else:
+            self._fresh.pop(index, None)
 
     @property
     def staging_capacity(self) -> int:
@@ -165,6 +176,7 @@ class UnitShards:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
         if index in self._staged:
             self.manager.release(self._staged.pop(index), dirty=False)
+        self._drop_fresh(index)
         if index in self._resident:
             self._resident[index].copy_(values)
         elif self.flat is not None:
@@ -172,26 +184,44 @@ class UnitShards:
         else:
             self.manager.write_from(self._name(index), values.to(device="cpu", dtype=self.dtype))
 
-    def edit(self, index: int) -> torch.Tensor:
-        """The piece, writable in place until ``commit(index)``."""
+    def edit(self, index: int, *, overwrite: bool = False) -> torch.Tensor:
+        """The piece, writable in place until ``commit(index)``. ``overwrite``: the caller writes every element
+        of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
         if index in self._resident:
             return self._resident[index]
         if self.flat is not None:
             return self.flat[self._span(index)]
         if not self.manager.fits(self._name(index)):
             if index not in self._editing_outsized:
-                self._editing_outsized[index] = self.read(index)
+                if index in self._fresh:
+                    self.manager.settle(self._name(index))
+                    piece = self._fresh.pop(index)
+                elif overwrite:
+                    piece = torch.zeros(self.layout.buckets[index].piece_numel, dtype=self.dtype)
+                else:
+                    piece = self.read(index)
+                self._editing_outsized[index] = piece
             return self._editing_outsized[index]
         if index not in self._editing:
             if index in self._staged:
                 self.manager.release(self._staged.pop(index), dirty=False)
-            self._editing[index] = self.manager.acquire(self._name(index))
+            handle = self.manager.acquire(self._name(index), read=not overwrite)
+            if overwrite:
+                handle.tensor[self.held_numel(index) :].zero_()
+            self._editing[index] = handle
         return self._editing[index].wait()
+
+    def held_numel(self, index: int) -> int:
+        """Elements of the rank's piece of unit ``index`` that hold parameters (the rest is padding)."""
+        bucket = self.layout.buckets[index]
+        start, end = bucket.piece_range(self.rank)
+        return max(0, min(end, bucket.numel) - start)
 
     def commit(self, index: int) -> None:
         outsized = self._editing_outsized.pop(index, None)
-        if outsized is not None:
-            self.manager.write_from(self._name(index), outsized)
+        if outsized is not None:  # written behind the next tiles; kept for the next gather, which comes first
+            self.manager.write_from(self._name(index), outsized, block=False)
+            self._fresh[index] = outsized
         handle = self._editing.pop(index, None)
         if handle is not None:
             self.manager.release(handle, dirty=True)
@@ -230,6 +260,7 @@ class UnitShards:
 
     def close(self) -> None:
         self._staged.clear()
+        self._fresh.clear()
         self._editing.clear()
         self._editing_outsized.clear()
         if self.manager is not None:
