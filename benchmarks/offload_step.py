@@ -1,7 +1,8 @@
-"""ZeRO-Infinity step time: stage 3 without offload, with parameters and optimizer in host memory (cpu), and on
-NVMe; stage 2 with the optimizer on NVMe and without offload; and plain PyTorch FSDP2 (fully_shard per block, the
-same AdamW) for memory, with glibc's defaults and with the mmap threshold the engine sets (fsdp2-mmap1m: the
-engine fixes M_MMAP_THRESHOLD at 1 MiB, which alone lowers peak RSS; so both are shown). One run, world sizes 1
+"""ZeRO-Infinity step time: stage 3 without offload (DeepSpeed's default knobs, and stage3-reshard: FSDP2's policy of
+releasing each unit after its forward, prefetching about one block), with parameters and optimizer in host memory
+(cpu), and on NVMe; stage 2 with the optimizer on NVMe and without offload; and plain PyTorch FSDP2 (fully_shard per
+block, the same AdamW) for memory, with glibc's defaults and with the mmap threshold the engine sets (fsdp2-mmap1m:
+the engine fixes M_MMAP_THRESHOLD at 1 MiB, which alone lowers peak RSS; so both are shown). One run, world sizes 1
 and 2 (torchrun, gloo), modes alternating.
 
 Workload: a transformers GPT-2 small shape (124M parameters, built from GPT2Config, no download), sequence 256,
@@ -17,7 +18,7 @@ the same swap store, measured in the same run (before the first mode and after t
   bytes / write bandwidth) x ranks on the disk / seconds in engine.step(), the share of the step the disk is busy;
 - seconds blocked on parameter reads, after the first step, <= 10% of the step;
 - peak RSS at world size 1 with both on NVMe <= 3 GiB;
-- peak RSS of stages 2 and 3 without offload <= FSDP2's, at each world size.
+- peak RSS of stages 2 and 3 without offload <= FSDP2's, at each world size (stage 3 with FSDP2's policy too).
 Writes results/offload_step.json and .png.
 
     python benchmarks/offload_step.py --nvme-path /path/on/nvme --world-sizes 1 2 --steps 12
@@ -39,7 +40,8 @@ import time
 
 import torch
 
-MODES = ["stage3", "stage3-cpu", "stage3-nvme", "stage2-nvme", "stage2", "fsdp2", "fsdp2-mmap1m"]
+MODES = ["stage3", "stage3-reshard", "stage3-cpu", "stage3-nvme", "stage2-nvme", "stage2", "fsdp2", "fsdp2-mmap1m"]
+BLOCK_NUMEL = 12 * 768 * 768  # one GPT-2 small block's parameters (attention 4 h^2, MLP 8 h^2)
 OWNERS = ("optimizer", "gradients", "parameters")
 SEQ, MICRO, LR = 256, 4, 1e-4
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,6 +49,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def engine_config(mode: str, nvme_path: str, dtype: str) -> dict:
     zero: dict = {"stage": 2 if mode.startswith("stage2") else 3, "overlap_comm": True}
+    if mode == "stage3-reshard":
+        # FSDP2's policy in DeepSpeed's knobs: release each unit after its forward (reshard_after_forward) and
+        # prefetch about one block ahead; the default (max_reuse_distance 1e9, prefetch 5e7 elements) keeps every
+        # unit of this model gathered from its forward to its backward, trading memory for fewer gathers
+        zero["stage3_max_reuse_distance"] = 0
+        zero["stage3_prefetch_bucket_size"] = BLOCK_NUMEL
     if mode == "stage3-cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -278,7 +286,7 @@ def targets(report: dict) -> dict:
             if reference not in modes:
                 continue
             fsdp2 = max(modes[reference]["peak_rss_gib_per_rank"])
-            for mode in ("stage2", "stage3"):
+            for mode in ("stage2", "stage3", "stage3-reshard"):
                 if mode in modes:
                     found[f"world{world_size} {mode} / {reference} peak RSS (<= 1)"] = (
                         max(modes[mode]["peak_rss_gib_per_rank"]) / fsdp2

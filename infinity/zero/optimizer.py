@@ -23,6 +23,7 @@ from infinity.errors import ConfigError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
+from infinity.zero.gradient_shards import GradientShards
 from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.partition import Bucket, GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
@@ -58,11 +59,12 @@ class PartitionedOptimizer:
     stage: int
     device: torch.device
     masters: list[nn.Parameter]
-    grad_shards: list[torch.Tensor]
+    gradients_in_memory: GradientShards | None  # the reduced gradient ([Note: gradient shards]); None: on NVMe
     reducer: GradientReducer
     _hooks: list
     _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
+    masters_are_weights: bool = False  # stages 0-2 in fp32 without offload: each master is a piece of the weights
 
     def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, masters=None) -> TiledStep:
         # Before any work: an optimizer offload cannot run is a ConfigError.
@@ -126,14 +128,20 @@ class PartitionedOptimizer:
         if self.tiled is not None:
             self._step_tiles()
         else:
-            for master, grad in zip(self.masters, self.grad_shards, strict=True):
-                master.grad = grad
+            grads = self.grad_shards
+            for master, (group, first) in zip(self.masters, self._master_at, strict=True):
+                master.grad = grads[group][first : first + master.numel()]
             self.optimizer.step()
             for master in self.masters:
                 master.grad = None
             self._publish_weights()
         self.zero_grad()
         return StepResult(stepped=True, grad_norm=norm)
+
+    @property
+    def grad_shards(self) -> list[torch.Tensor]:
+        """The window's reduced fp32 gradient per group (stage 3: one flat shard), complete; none on NVMe."""
+        return [] if self.gradients_in_memory is None else self.gradients_in_memory.tensors()
 
     def _collect_grads(self) -> None:
         """Brings the reduced gradients into grad_shards (stages 0-2 reduce straight into them)."""
@@ -175,8 +183,11 @@ class PartitionedOptimizer:
         return math.sqrt(squares.item())
 
     def zero_grad(self) -> None:
-        for grad in self.grad_shards:
-            grad.zero_()
+        """After the step, taken or skipped: the gradient and the spare reduce buffers are freed
+        ([Note: gradient shards])."""
+        if self.gradients_in_memory is not None:
+            self.gradients_in_memory.free()
+        self.reducer.drop_spares()
 
     # ---- accounting ----
     def state_bytes(self) -> int:
@@ -184,7 +195,7 @@ class PartitionedOptimizer:
         without offload) plus every optimizer state tensor."""
         if self.tiled is not None:
             return self.tiled.state_bytes()
-        total = sum(m.numel() * m.element_size() for m in self.masters)
+        total = 0 if self.masters_are_weights else sum(m.numel() * m.element_size() for m in self.masters)
         for state in self.optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         return total
@@ -267,7 +278,8 @@ class ZeroOptimizer(PartitionedOptimizer):
         )
         self.weights: list[list[torch.Tensor]] = []  # [group][bucket] -> (padded_numel,) compute dtype
         self.masters: list[nn.Parameter] = []
-        self.grad_shards: list[torch.Tensor] = []
+        self._master_at: list[tuple[int, int]] = []  # per master: (group, first element in the group's shard)
+        self.masters_are_weights = offload is None and compute_dtype == torch.float32
         if offload is not None:
             runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
                     for b in layout.buckets]  # fmt: skip
@@ -275,12 +287,18 @@ class ZeroOptimizer(PartitionedOptimizer):
         for params, layout in zip(self.groups, self.layouts, strict=True):
             self._flatten_group(params, layout)
         if self.tiled is None:
-            for group, master in zip(optimizer.param_groups, self.masters, strict=True):
-                group["params"] = [master]
+            for group in optimizer.param_groups:
+                group["params"] = []
+            for master, (group, _) in zip(self.masters, self._master_at, strict=True):
+                optimizer.param_groups[group]["params"].append(master)
             optimizer.state.clear()
+        self.gradients_in_memory = GradientShards(
+            [[(b.shard_offset, b.piece_numel) for b in layout.buckets] for layout in self.layouts],
+            [layout.shard_numel for layout in self.layouts], device,
+        )  # fmt: skip
         self.reducer = GradientReducer(
-            comm=comm, stage=stage, layouts=self.layouts, grad_shards=self.grad_shards, shard_rank=self.shard_rank,
-            device=device, overlap_comm=overlap_comm,
+            comm=comm, stage=stage, layouts=self.layouts, gradients=self.gradients_in_memory,
+            shard_rank=self.shard_rank, device=device, overlap_comm=overlap_comm,
         )  # fmt: skip
         self._hooks = []
         self._no_grad_marks = {}
@@ -299,8 +317,11 @@ class ZeroOptimizer(PartitionedOptimizer):
     # ---- construction ----
     def _flatten_group(self, params: list[nn.Parameter], layout: GroupLayout) -> None:
         """Params become views into per-bucket flat weights; this rank's fp32 master pieces are copied out (into
-        the tiles when offloaded: never a whole fp32 shard in memory then)."""
-        master = torch.empty(0 if self.tiled else layout.shard_numel, dtype=torch.float32, device=self.device)
+        the tiles when offloaded: never a whole fp32 shard in memory then), or, where the weights are fp32 in
+        memory, are the weights' own pieces (one master per bucket piece: no second fp32 copy of the shard)."""
+        alias = self.masters_are_weights
+        separate = self.tiled is None and not alias
+        master = torch.empty(layout.shard_numel if separate else 0, dtype=torch.float32, device=self.device)
         weights = []
         for bucket in layout.buckets:
             values = (params[slot.param_index].detach() for slot in bucket.slots)
@@ -310,17 +331,20 @@ class ZeroOptimizer(PartitionedOptimizer):
                 for tile in self.tiled.tiles_of(layout.group, bucket.index):
                     first = start + tile.start - bucket.shard_offset
                     self.tiled.initialize(tile, flat[first : first + tile.numel])
-            else:
+            elif separate:
                 master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel].copy_(flat[start:end])
+            else:
+                self.masters.append(nn.Parameter(flat[start:end]))
+                self._master_at.append((layout.group, bucket.shard_offset))
             flat = flat.to(self.compute_dtype)
             for slot in bucket.slots:
                 param = params[slot.param_index]
                 param.data = flat[slot.offset : slot.offset + slot.numel].view(param.shape)
             weights.append(flat)
         self.weights.append(weights)
-        if self.tiled is None:
+        if separate:
             self.masters.append(nn.Parameter(master))
-        self.grad_shards.append(torch.zeros(layout.shard_numel, dtype=torch.float32, device=self.device))
+            self._master_at.append((layout.group, 0))
 
     def _piece_view(self, tile: Tile) -> torch.Tensor:
         """The tile's elements in its bucket's compute-dtype flat weights."""
@@ -363,9 +387,11 @@ class ZeroOptimizer(PartitionedOptimizer):
             pending.popleft().land(self.shard_rank)
 
     def fp32_shards(self) -> list[torch.Tensor]:
-        if self.tiled is None:
-            return [master.detach().float().cpu().clone() for master in self.masters]
         shards = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in self.layouts]
+        if self.tiled is None:
+            for master, (group, first) in zip(self.masters, self._master_at, strict=True):
+                shards[group][first : first + master.numel()].copy_(master.detach())
+            return shards
         self.tiled.read_masters(lambda tile: shards[tile.group][tile.start : tile.start + tile.numel])
         return shards
 
@@ -381,11 +407,17 @@ class ZeroOptimizer(PartitionedOptimizer):
     def _publish_weights(self) -> None:
         """New low-precision pieces from the masters, gathered so every rank has the full weights."""
         pending = []
-        for master, layout, weights in zip(self.masters, self.layouts, self.weights, strict=True):
+        for layout, weights in zip(self.layouts, self.weights, strict=True):
             for bucket, flat in zip(layout.buckets, weights, strict=True):
-                piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+                start, end = bucket.piece_range(self.shard_rank)
+                if self.masters_are_weights:
+                    piece = flat[start:end]  # stepped in place
+                else:
+                    master = self.masters[layout.group]
+                    piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
                 if self.stage == 0 or not self.comm.active:
-                    flat.copy_(piece)  # every element is ours: convert in place, nothing to gather
+                    if not self.masters_are_weights:
+                        flat.copy_(piece)  # every element is ours: convert in place, nothing to gather
                 else:
                     piece = piece.to(device=self.device, dtype=self.compute_dtype)
                     pending.append(collectives.all_gather_pieces(self.comm, flat, piece, async_op=True))
@@ -449,9 +481,11 @@ class UnitOptimizer(PartitionedOptimizer):
             offsets = {unit.index: unit.bucket.shard_offset for unit in table.units}
             self.gradients = SwappedGradients(self.tiled.tiles, offload.gradients, unit_offsets=offsets)
             self.tiled.gradients = self.gradients
-            self.grad_flat = None  # [Note: swapped gradients]
+            self.gradients_in_memory = None  # [Note: swapped gradients]
         else:
-            self.grad_flat = torch.zeros(table.layout.shard_numel, dtype=torch.float32, device=device)
+            self.gradients_in_memory = GradientShards(
+                [[(b.shard_offset, b.piece_numel) for b in table.layout.buckets]], [table.layout.shard_numel], device
+            )
         self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
             self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
@@ -464,9 +498,8 @@ class UnitOptimizer(PartitionedOptimizer):
         self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         self.masters = []
-        self.grad_shards = [] if self.grad_flat is None else [self.grad_flat]
         self.reducer = GradientReducer(
-            comm=comm, stage=3, layouts=(table.layout,), grad_shards=self.grad_shards, shard_rank=comm.rank,
+            comm=comm, stage=3, layouts=(table.layout,), gradients=self.gradients_in_memory, shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
             deliver=None if self.gradients is None else self.gradients.deliver,
         )  # fmt: skip
@@ -506,7 +539,7 @@ class UnitOptimizer(PartitionedOptimizer):
         on_param_grad(unit_index)
 
     def _tile_grad(self, tile: Tile) -> torch.Tensor:
-        return self.grad_flat[tile.start : tile.start + tile.numel]
+        return self.grad_shards[0][tile.start : tile.start + tile.numel]
 
     def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
         if self.gradients is not None:
@@ -531,7 +564,8 @@ class UnitOptimizer(PartitionedOptimizer):
                 total += self.gradients.squares.get(unit, 0.0)
             else:
                 bucket = self.table.layout.buckets[unit]
-                total += piece_squares(self.grad_flat[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
+                flat = self.grad_shards[0]
+                total += piece_squares(flat[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
         return torch.tensor([total], dtype=torch.float64, device=self.device)
 
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
@@ -576,8 +610,7 @@ class UnitOptimizer(PartitionedOptimizer):
         if self.gradients is not None:
             self.tiled.drop_gradients_ahead()
             self.gradients.zero()
-        else:
-            self.grad_flat.zero_()
+        super().zero_grad()
 
 
 def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:

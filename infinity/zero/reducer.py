@@ -24,6 +24,7 @@ import torch
 
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
+from infinity.zero.gradient_shards import GradientShards
 from infinity.zero.partition import Bucket, GroupLayout
 
 
@@ -41,7 +42,7 @@ class GradientReducer:
     comm: Comm
     stage: int
     layouts: tuple[GroupLayout, ...]
-    grad_shards: list[torch.Tensor]  # per group: (shard_numel,) fp32, where this rank's reduced gradient goes
+    gradients: GradientShards | None  # where this rank's reduced gradient goes (None: ``deliver`` takes it)
     shard_rank: int  # piece index of this rank (0 at stage 0: every rank holds everything)
     device: torch.device
     overlap_comm: bool
@@ -57,7 +58,7 @@ class GradientReducer:
     # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous] in
     # rendezvous.py)
     deliver: Callable[[int, torch.Tensor], None] | None = None  # stage 3, gradients on NVMe: (unit, reduced
-    # piece) goes there instead of into grad_shards ([Note: swapped gradients] in grads.py)
+    # piece) goes there instead of into ``gradients`` ([Note: swapped gradients] in grads.py)
     peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
     peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
     _waiting_bytes: int = 0
@@ -86,7 +87,7 @@ class GradientReducer:
         """Called from the parameter's post-accumulate-grad hook."""
         state = self._states[state_index]
         if state.buffer is None:
-            state.buffer = self._acquire(state.bucket.padded_numel)
+            state.buffer = self._acquire(state.bucket)
             if self.stage >= 2:  # filled now, reduced when its turn in the launch order comes
                 self._waiting_bytes += state.buffer.numel() * 4
                 self.peak_waiting_bytes = max(self.peak_waiting_bytes, self._waiting_bytes)
@@ -143,29 +144,24 @@ class GradientReducer:
     def _launch(self, state: _BucketState, *, async_op: bool) -> None:
         bucket = state.bucket
         if state.buffer is None:
-            state.buffer = self._acquire(bucket.padded_numel)
+            state.buffer = self._acquire(bucket)
         elif self.stage >= 2:
             self._waiting_bytes -= state.buffer.numel() * 4
         for slot in bucket.slots:  # parameters that got no gradient contribute zeros
             if slot.offset not in state.written:
                 state.buffer[slot.offset : slot.offset + slot.numel].zero_()
         state.written.clear()
-        if self.deliver is None:
-            shard = self.grad_shards[bucket.group]
-            target = shard[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
-        else:
-            target = None
         buffer = state.buffer
         if self.stage >= 2:
             piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
             pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
             state.buffer = None  # back to the spares once the collective is done with it
 
-            def finish(piece=piece, target=target, buffer=buffer, index=bucket.index):
-                if target is None:
-                    self.deliver(index, piece)
-                else:  # A copy to the host must be complete before the add reads it: no non_blocking here.
-                    target.add_(piece.to(target.device, non_blocking=target.device == piece.device))
+            def finish(piece=piece, buffer=buffer, bucket=bucket):
+                if self.deliver is not None:
+                    self.deliver(bucket.index, piece)
+                else:  # the window's first piece is copied, later ones added ([Note: gradient shards])
+                    self.gradients.write(bucket.group, bucket.shard_offset, piece)
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 if self.keep_spares:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)
@@ -174,24 +170,29 @@ class GradientReducer:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)
             start, end = bucket.piece_range(self.shard_rank)
 
-            def finish(buffer=buffer, target=target, start=start, end=end):
-                # The next window overwrites, then adds. Non-blocking only within one device: a host target
-                # is read by the step right after.
-                target.copy_(buffer[start:end], non_blocking=target.device == buffer.device)
+            def finish(buffer=buffer, bucket=bucket, start=start, end=end):
+                self.gradients.write(bucket.group, bucket.shard_offset, buffer[start:end])  # once per window
 
         self._pending.append(pending.then(finish))
         if self.max_in_flight is not None and len(self._pending) > self.max_in_flight:
             self._pending.pop(0).wait()  # bounds the buffers in flight
 
-    def _acquire(self, numel: int) -> torch.Tensor:
+    def _acquire(self, bucket: Bucket) -> torch.Tensor:
         """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps) or a new one.
-        Only the padding must be zero; every slot is overwritten before it is read."""
+        Only the padding must be zero; every slot is overwritten before it is read. New ones are left empty, so
+        their pages are touched as gradients arrive (while backward frees activations), not all at once."""
+        numel = bucket.padded_numel
         self._in_use_bytes += numel * 4
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes)
         spares = self._spare.get(numel)
-        if spares:
-            return spares.pop()
-        return torch.zeros(numel, dtype=torch.float32, device=self.device)
+        buffer = spares.pop() if spares else torch.empty(numel, dtype=torch.float32, device=self.device)
+        buffer[bucket.numel :].zero_()
+        return buffer
+
+    def drop_spares(self) -> None:
+        """After the step: spare buffers go back (stage 2 keeps them across the micro-steps of a window only;
+        between windows the forward's activations need the room)."""
+        self._spare.clear()
 
     def buffer_bytes(self) -> int:
         """Bytes of gradient buffers currently held (stage 0/1: full; stage 2: none between micro-steps)."""

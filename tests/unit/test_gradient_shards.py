@@ -1,0 +1,61 @@
+"""The reduced gradient lives from a window's first reduced piece to the step ([Note: gradient shards]), and in fp32
+without offload the stages 0-2 masters are the weights themselves: no byte of either is held through forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.zero.gradient_shards import GradientShards
+
+
+def test_first_piece_copies_later_ones_add_and_missing_regions_read_as_zeros():
+    shards = GradientShards([[(0, 4), (4, 4)]], [8], torch.device("cpu"))
+    assert shards.held_bytes() == 0
+    shards.write(0, 0, torch.full((4,), 2.0))
+    shards.write(0, 0, torch.full((4,), 3.0))
+    (flat,) = shards.tensors()
+    assert flat.tolist() == [5.0] * 4 + [0.0] * 4  # the second region got nothing: zeros, not leftovers
+    assert shards.held_bytes() == 32
+    shards.free()
+    assert shards.held_bytes() == 0
+    shards.write(0, 4, torch.ones(4))  # a new window starts from nothing again
+    assert shards.tensors()[0].tolist() == [0.0] * 4 + [1.0] * 4
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_gradient_memory_between_the_step_and_the_next_backward(stage):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500},
+    }
+    engine, *_ = infinity.initialize(model=mlp(), config=config)
+    optimizer = engine.zero_optimizer
+    numel = sum(p.numel() for p in mlp().parameters())
+    held = []
+    for _micro in range(4):
+        engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
+        held.append(optimizer.gradients_in_memory.held_bytes())
+        engine.step()
+        held.append(optimizer.gradients_in_memory.held_bytes())
+    # stages 2 and 3 reduce every micro-step into the gradient; stages 0 and 1 at the boundary only
+    during = 4 * numel if stage >= 2 else 0
+    assert held[0] >= during and held[1] >= during  # the first micro-step: held through the window
+    assert held[2] >= 4 * numel and held[3] == 0  # the boundary: reduced, then freed by the step
+    assert not optimizer.reducer._spare  # stage 2's spare reduce buffers went with it
+    if stage < 3:  # fp32 without offload: the masters are pieces of the weights, no fp32 copy
+        assert optimizer.masters_are_weights and optimizer.state_bytes() == 2 * 4 * sum(
+            m.numel() for m in optimizer.masters
+        )
+        weights = {w.untyped_storage().data_ptr() for group in optimizer.weights for w in group}
+        assert {m.untyped_storage().data_ptr() for m in optimizer.masters} <= weights
+    engine.destroy()
