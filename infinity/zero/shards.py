@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 
+from infinity.memory.copies import CopyStream
 from infinity.memory.nvme_store import _human
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.partition import GroupLayout
@@ -74,6 +75,7 @@ class UnitShards:
         self.home = home
         self.rank = rank
         self.manager = manager
+        self.copies = CopyStream(device)  # host -> device stage-in ([Note: copy stream])
         self.flat: torch.Tensor | None = None
         # NVME home: the pieces in memory, gathered and edited in place: the persistent unit's (on the device)
         # and those max_in_cpu keeps (in host memory)
@@ -128,17 +130,17 @@ class UnitShards:
         return piece if piece is not None and piece.device == self.device else None
 
     def load_into(self, index: int, out: torch.Tensor) -> None:
-        """out <- the piece (blocking)."""
+        """out <- the piece. With CUDA, inside ``copies.side()`` the copy is queued on the side stream ([Note: copy
+        stream] in memory/copies.py); a staging buffer goes back to the ring when it has been copied."""
         if index in self._resident:
-            piece = self._resident[index]
-            out.copy_(piece, non_blocking=piece.device.type == "cpu")  # as from the HOST home's flat shard
+            self.copies.copy(out, self._resident[index])
         elif self.flat is not None:
-            out.copy_(self.flat[self._span(index)], non_blocking=True)
-        elif index in self._fresh:
-            out.copy_(self._fresh.pop(index))  # its write may still be reading it: the manager holds it till done
+            self.copies.copy(out, self.flat[self._span(index)])
+        elif index in self._fresh:  # its write may still be reading it: the manager holds it till done
+            self.copies.copy(out, self._fresh.pop(index), then_reuse_source=True)
         elif index in self._staged:
             handle = self._staged.pop(index)
-            out.copy_(handle.wait())
+            self.copies.copy(out, handle.wait(), then_reuse_source=True)
             self.manager.release(handle, dirty=False)
         else:
             self.manager.read_into(self._name(index), out)

@@ -20,6 +20,7 @@ units, in unit order, so GradientReducer reduce-scatters each unit's gradient in
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class Unit:
     full: torch.Tensor  # (padded_numel,) compute dtype; 0-byte storage while released
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None
+    staged_in: tuple | None = None  # (CopyStream, event): what attach() makes the compute stream wait for
 
     @property
     def numel(self) -> int:
@@ -71,6 +73,10 @@ class Unit:
 
     def attach(self) -> None:
         """Parameters become views into the gathered buffer."""
+        if self.staged_in is not None:
+            copies, event = self.staged_in
+            copies.join(event, self.full)
+            self.staged_in = None
         for slot, param, shape in zip(self.bucket.slots, self.params, self.shapes, strict=True):
             param.data = self.full[slot.offset : slot.offset + slot.numel].view(shape)
         self.state = UnitState.GATHERED
@@ -81,11 +87,18 @@ class Unit:
         self.full.untyped_storage().resize_(0)
         self.state = UnitState.RELEASED
         self.pending = None
+        self.staged_in = None
 
     def gather(self, comm: Comm, shards: UnitShards, *, async_op: bool) -> Pending:
-        """All-gather every rank's piece into ``full``; the parameters attach when it completes."""
-        self.allocate()
-        pending = gather_piece(comm, shards, self.index, self.bucket, self.full, async_op=async_op)
+        """All-gather every rank's piece into ``full``; the parameters attach when it completes. A piece in host
+        memory or on NVMe is staged in and gathered on the side stream where CUDA exists ([Note: copy stream])."""
+        copies = shards.copies if shards.on_device(self.index) is None else None
+        with copies.side() if copies is not None else contextlib.nullcontext():
+            self.allocate()
+            pending = gather_piece(comm, shards, self.index, self.bucket, self.full, async_op=async_op)
+            event = copies.record() if copies is not None else None
+        if event is not None:
+            self.staged_in = (copies, event)
         if async_op:
             self.state = UnitState.IN_FLIGHT
             self.pending = pending

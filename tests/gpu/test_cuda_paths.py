@@ -130,6 +130,29 @@ def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_stage_in_copies_run_on_the_side_stream(tmp_path, monkeypatch, param_device):
+    """[Note: copy stream]: every host -> device copy of a parameter piece is queued on the side stream, not on the
+    compute stream, and the results are still plain PyTorch's (the compute stream waits for the copy's event)."""
+    from infinity.memory.copies import CopyStream
+
+    seen = []
+    original = CopyStream.copy
+
+    def copy(self, out, source, **kwargs):
+        seen.append(torch.cuda.current_stream(out.device) == self.stream)
+        return original(self, out, source, **kwargs)
+
+    monkeypatch.setattr(CopyStream, "copy", copy)
+    zero = {"offload_param": {"device": param_device, "nvme_path": str(tmp_path), "pin_memory": True,
+                              "max_in_cpu": 0}}  # fmt: skip
+    engine, *_ = infinity.initialize(model=mlp(), config=config(3, **zero))
+    got = engine_losses(engine)
+    engine.destroy()
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} copies on the compute stream"
+    assert_close(got, plain_cuda())
+
+
 def test_nvme_gradients_accumulate_on_cuda(tmp_path):
     """Stage 3 with the optimizer on NVMe keeps the gradient there ([Note: swapped gradients]): with two micro-steps
     per step the second reduced piece (on the device) is added to the first one read back into a host buffer."""
