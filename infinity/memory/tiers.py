@@ -12,7 +12,10 @@ A segment is a flat tensor of training state that can move: one optimizer tile's
   (the bytes are there; no read): so a read never overtakes the write of the same segment.
 Callers ``acquire(name)`` a handle, ``wait()`` for its tensor and ``release(handle, dirty=...)`` it; they never
 branch on the tier. Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
-allocated once at open: host memory stays flat across steps.
+allocated once at open: host memory stays flat across steps. A segment larger than a ring buffer moves with
+``read_into`` / ``write_from`` from the caller's own tensor; ``write_from(block=False)`` (a loose write) keeps that
+tensor alive until the write lands, and loose writes in flight hold at most the ring's bytes (one write when a
+single segment is larger), so the caller's tensors stay within the same budget.
 
 Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting.
 ``window()`` gives the totals since the last call, for the per-step report line.
@@ -212,7 +215,7 @@ class TierManager:
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
-        self._reap_loose_writes()
+        self.reap_loose_writes()
         if name in self._loose_writes:
             self.settle(name)
         pending = self._writing_by_name.get(name)
@@ -255,22 +258,33 @@ class TierManager:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
         spec = self._specs[name]
+        self.reap_loose_writes()
         self.settle(name)
         self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
 
     def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
-        """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller, who must not
-        change ``values`` until ``settle(name)`` or ``flush()`` (a later read or write of the segment waits)."""
+        """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller (a loose write),
+        who must not change ``values`` until ``settle(name)`` or ``flush()`` (a later read or write of the segment
+        waits); loose writes in flight hold at most the ring's bytes (or one write), the oldest waited for first."""
         spec = self._specs[name]
         self.settle(name)
-        request = self.store.write(name, values.contiguous())
+        self.reap_loose_writes()
+        values = values.contiguous()
+        if not block:
+            budget = self.buffer_count * (self.buffer_bytes or 0)
+            while self._loose_writes and self._loose_bytes() + spec.nbytes > budget:
+                self.settle(next(iter(self._loose_writes)))
+        request = self.store.write(name, values)
         if block:
             self._wait(request, "nvme_write", spec.nbytes)
         else:
             self._loose_writes[name] = (request, spec.nbytes, values)  # values kept alive until it lands
 
-    def _reap_loose_writes(self) -> None:
-        """Finishes the loose writes that are done, so their tensors are freed."""
+    def _loose_bytes(self) -> int:
+        return sum(nbytes for _, nbytes, _ in self._loose_writes.values())
+
+    def reap_loose_writes(self) -> None:
+        """Finishes the loose writes that are done: their tensors are freed, a failed one raises now."""
         for name in [n for n, (request, *_) in self._loose_writes.items() if request.done()]:
             self.settle(name)
 

@@ -1,11 +1,13 @@
-"""The partitioned optimizer for ZeRO stages 0-3 (optionally offloaded to host memory).
+"""The partitioned optimizer for ZeRO stages 0-3 (optionally offloaded to host memory or NVMe).
 
 Layout (see [Note: bucket-sharded layout] in partition.py): the model's trainable parameters become views into
-flat per-bucket weight buffers in the compute dtype; each rank keeps an fp32 master copy of its pieces (stage 0:
-of everything), the matching fp32 gradient shard, and the optimizer states for exactly those elements. The user's
-torch optimizer is kept (so schedulers bound to it keep working) and re-pointed at the master shards, as
-DeepSpeed does. A step: unscale -> overflow check across ranks (fp16) -> global-norm clipping -> the torch
-optimizer on the master shard (on the host with offload) -> new low-precision pieces -> all-gather per bucket.
+flat per-bucket weight buffers in the compute dtype; each rank keeps fp32 masters of its pieces (stage 0: of
+everything; in fp32 without offload the masters are those pieces of the weights themselves, one per bucket, with
+no copy), the matching fp32 gradient shard while a window's gradients exist ([Note: gradient shards]), and the
+optimizer states for exactly those elements. The user's torch optimizer is kept (so schedulers bound to it keep
+working) and re-pointed at the masters, as DeepSpeed does. A step: unscale -> overflow check across ranks (fp16)
+-> global-norm clipping -> the torch optimizer on the masters (tiles, with offload or at stage 3) -> new
+low-precision pieces -> all-gather per bucket.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class StepResult:
 
 
 class PartitionedOptimizer:
-    """The step shared by every stage: fp32 masters and gradient shards per param group, the user's optimizer
+    """The step shared by every stage: fp32 masters and the reduced gradient per param group, the user's optimizer
     re-pointed at the masters. Subclasses lay the shards out and publish the new weights."""
 
     optimizer: torch.optim.Optimizer
@@ -191,8 +193,8 @@ class PartitionedOptimizer:
 
     # ---- accounting ----
     def state_bytes(self) -> int:
-        """Bytes this rank holds for the optimizer: fp32 masters (unless the fp32 weights are the masters, stage 3
-        without offload) plus every optimizer state tensor."""
+        """Bytes this rank holds for the optimizer: fp32 masters (unless the fp32 weights are the masters: fp32
+        without offload, any stage) plus every optimizer state tensor."""
         if self.tiled is not None:
             return self.tiled.state_bytes()
         total = 0 if self.masters_are_weights else sum(m.numel() * m.element_size() for m in self.masters)

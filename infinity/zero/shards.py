@@ -12,7 +12,9 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   trace ahead, into a ring of buffer_count buffers, never blocking), else straight from the disk. The ring's
   buffers fit the largest piece within ``staging_bytes`` / buffer_count (offload_param.buffer_size caps it
   too): a model's few outsized units (the embedding, ~30% of GPT-2 small) are read on demand, straight into
-  their gathered buffer, rather than making every buffer their size.
+  their gathered buffer, rather than making every buffer their size. The step writes an outsized piece behind
+  it and keeps it (within ``staging_bytes``, the first the step commits, in the units' order) for the next
+  forward, whose gather takes it from memory: GPT-2's embedding is the forward's first unit.
 - NVME with offload_param.max_in_cpu: a fixed set of non-persistent pieces stays in host memory in front of the
   disk (``host_kept``: along the units' order, every piece that keeps the running total within the cap). They
   are home-HOST segments of the tier manager (pinned when pin_memory and CUDA exist, counted in its stats) and
@@ -86,8 +88,10 @@ class UnitShards:
         self._staged: dict[int, SegmentHandle] = {}
         self._editing: dict[int, SegmentHandle] = {}
         self._editing_outsized: dict[int, torch.Tensor] = {}
-        # outsized pieces the step just wrote (asynchronously): the next gather takes them from here, not the disk
+        # outsized pieces the step just wrote (asynchronously): the next gather takes them from here, not the disk;
+        # at most staging_bytes of them, the first ones the step commits (the units' order, as the forward's)
         self._fresh: dict[int, torch.Tensor] = {}
+        self.fresh_budget = staging_bytes
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
             self.kept = frozenset(host_kept(movable, host_numel))
@@ -138,6 +142,7 @@ class UnitShards:
             self.copies.copy(out, self.flat[self._span(index)])
         elif index in self._fresh:  # its write may still be reading it: the manager holds it till done
             self.copies.copy(out, self._fresh.pop(index), then_reuse_source=True)
+            self.manager.reap_loose_writes()
         elif index in self._staged:
             handle = self._staged.pop(index)
             self.copies.copy(out, handle.wait(), then_reuse_source=True)
@@ -168,6 +173,11 @@ class UnitShards:
             self._fresh.clear()
         else:
             self._fresh.pop(index, None)
+        if self.manager is not None:
+            self.manager.reap_loose_writes()
+
+    def _fresh_bytes(self) -> int:
+        return sum(piece.numel() * piece.element_size() for piece in self._fresh.values())
 
     @property
     def staging_capacity(self) -> int:
@@ -221,9 +231,11 @@ class UnitShards:
 
     def commit(self, index: int) -> None:
         outsized = self._editing_outsized.pop(index, None)
-        if outsized is not None:  # written behind the next tiles; kept for the next gather, which comes first
+        if outsized is not None:  # written behind the next tiles; kept for the next gather, within the budget
             self.manager.write_from(self._name(index), outsized, block=False)
-            self._fresh[index] = outsized
+            nbytes = outsized.numel() * outsized.element_size()
+            if self._fresh_bytes() + nbytes <= self.fresh_budget:
+                self._fresh[index] = outsized
         handle = self._editing.pop(index, None)
         if handle is not None:
             self.manager.release(handle, dirty=True)

@@ -97,3 +97,66 @@ def test_max_in_cpu_zero_puts_every_piece_on_nvme_and_a_large_one_none(tmp_path,
     finally:
         unit.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def reads(unit: UnitShards) -> int:
+    return unit.manager.stats().traffic["nvme_read"].requests
+
+
+def test_a_piece_the_step_overwrites_is_not_read_and_an_outsized_one_is_kept_for_the_next_gather(tmp_path):
+    """The step writes every element of a piece its tiles cover: edit(overwrite=True) reads nothing. An outsized
+    piece (here unit 2: 4000 elements, buffer_size 1200) is written behind and the next gather copies it from
+    memory; a store() in between (an edit of the weights) replaces it, and the disk has the newest bytes."""
+    layout = layout_from_runs(0, NUMELS, [[i] for i in range(len(NUMELS))], world_size=1)
+    handle = AioHandle()
+    manager = TierManager(store=NvmeStore(tmp_path, handle=handle, run_id="shards"), handle=handle, buffer_count=2)
+    unit = UnitShards(layout, dtype=torch.float32, device=torch.device("cpu"), home=Tier.NVME, persistent={0},
+                      rank=0, manager=manager, max_piece_numel=1200)  # fmt: skip
+    try:
+        for index in range(len(NUMELS)):
+            unit.store(index, piece_values(index))
+        assert not unit.manager.fits("unit2") and unit.manager.fits("unit4")
+        before = reads(unit)
+        for index in (4, 2):
+            unit.edit(index, overwrite=True).copy_(-piece_values(index))
+            unit.commit(index)
+        assert reads(unit) == before
+        out = torch.empty(NUMELS[2])
+        unit.load_into(2, out)  # the next forward's gather: from memory
+        assert reads(unit) == before and torch.equal(out, -piece_values(2))
+        unit.edit(2, overwrite=True).copy_(piece_values(2) * 3)
+        unit.commit(2)
+        unit.store(2, piece_values(2) * 5)  # GatheredParameters(modifier_rank=...) after the step
+        unit.load_into(2, out)
+        assert torch.equal(out, piece_values(2) * 5)
+        expected = [piece_values(i) * {2: 5, 4: -1}.get(i, 1) for i in range(len(NUMELS))]
+        assert torch.equal(unit.snapshot(), torch.cat(expected))  # read back from the swap file
+    finally:
+        unit.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outsized_pieces_kept_and_written_behind_stay_within_the_staging_budget(tmp_path):
+    """Every NVMe piece outsized (buffer_size 64 elements): the pieces kept for the next gather and the loose
+    writes in flight never hold more than the staging budget, and a pass's end drops what it did not use."""
+    layout = layout_from_runs(0, NUMELS, [[i] for i in range(len(NUMELS))], world_size=1)
+    handle = AioHandle()
+    manager = TierManager(store=NvmeStore(tmp_path, handle=handle, run_id="shards"), handle=handle, buffer_count=2)
+    budget = 1400 * 4  # bytes: room for unit 1 (800 elements) and not for unit 2 (4000) after it
+    unit = UnitShards(layout, dtype=torch.float32, device=torch.device("cpu"), home=Tier.NVME, persistent={0},
+                      rank=0, manager=manager, max_piece_numel=64, staging_bytes=budget)  # fmt: skip
+    try:
+        assert not any(unit.manager.fits(f"unit{i}") for i in range(1, 6))
+        for index in range(1, len(NUMELS)):
+            unit.edit(index, overwrite=True).copy_(piece_values(index))
+            unit.commit(index)
+            assert unit._fresh_bytes() <= budget and manager._loose_bytes() <= max(budget, NUMELS[index] * 4)
+        assert list(unit._fresh) == [1, 3, 5]  # in the step's order, each that still fits: 800 + 240 + 96
+        unit.unstage_all()  # the pass ended without gathering them
+        assert not unit._fresh
+        expected = [torch.zeros(NUMELS[0])] + [piece_values(i) for i in range(1, len(NUMELS))]
+        assert torch.equal(unit.snapshot(), torch.cat(expected))
+        assert not manager._loose_writes
+    finally:
+        unit.close()
+    assert list(tmp_path.iterdir()) == []
