@@ -9,7 +9,12 @@ the ring, would wait for all of them too. So with CUDA the unit's gathered buffe
 all-gather is launched there; an event recorded after them is what the compute stream waits for when the unit's
 parameters attach, and the buffer is marked as used by the compute stream (``record_stream``) so that its memory is
 not handed out again while compute kernels may still read it. A staging buffer goes back to the ring once the side
-stream is done with it: a wait on the copy, not on the queued compute. Without CUDA every call here is the plain
+stream is done with it: a wait on the side stream's queue (the copy, and collectives queued there before it), not
+on the queued compute. A buffer that exists already (the persistent unit, regathered after each step) is written
+only after the compute stream's queued work. A piece read from NVMe straight into device memory (on demand, when
+it was not read ahead) takes the I/O engine's own bounce path instead. Unverified on a GPU so far: the checks are in
+tests/gpu (``benchmarks/gpu/run_checks.sh``); watch ``torch.cuda.max_memory_reserved`` there, since memory marked
+with record_stream is reused only once the compute stream has caught up. Without CUDA every call here is the plain
 copy of the calling thread, and the rest does nothing.
 """
 
@@ -26,14 +31,16 @@ class CopyStream:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" and torch.cuda.is_available() else None
 
     @contextlib.contextmanager
-    def side(self) -> Iterator[None]:
+    def side(self, *, after_compute: bool = False) -> Iterator[None]:
         """Allocations, copies and collectives inside run on the side stream (CUDA). Only for pieces coming from
-        host memory: a piece already on the device is gathered on the compute stream, which wrote it."""
+        host memory: a piece already on the device is gathered on the compute stream, which wrote it. No wait for
+        the compute stream, since the sources are host memory the host has finished writing and the destination
+        is allocated here, unless ``after_compute``: the destination already exists (compute may still use it)."""
         if self.stream is None:
             yield
             return
-        # No wait for the compute stream: the sources are host memory the host has finished writing, and the
-        # destination is allocated here, on the side stream.
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             yield
 

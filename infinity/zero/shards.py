@@ -230,9 +230,10 @@ class UnitShards:
         return max(0, min(end, bucket.numel) - start)
 
     def commit(self, index: int) -> None:
-        outsized = self._editing_outsized.pop(index, None)
+        outsized = self._editing_outsized.get(index)
         if outsized is not None:  # written behind the next tiles; kept for the next gather, within the budget
             self.manager.write_from(self._name(index), outsized, block=False)
+            del self._editing_outsized[index]  # only once its write is issued: a failure keeps the new values
             nbytes = outsized.numel() * outsized.element_size()
             if self._fresh_bytes() + nbytes <= self.fresh_budget:
                 self._fresh[index] = outsized

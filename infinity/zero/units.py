@@ -93,7 +93,8 @@ class Unit:
         """All-gather every rank's piece into ``full``; the parameters attach when it completes. A piece in host
         memory or on NVMe is staged in and gathered on the side stream where CUDA exists ([Note: copy stream])."""
         copies = shards.copies if shards.on_device(self.index) is None else None
-        with copies.side() if copies is not None else contextlib.nullcontext():
+        allocated = self.full.untyped_storage().nbytes() > 0  # e.g. the persistent unit, regathered each step
+        with copies.side(after_compute=allocated) if copies is not None else contextlib.nullcontext():
             self.allocate()
             pending = gather_piece(comm, shards, self.index, self.bucket, self.full, async_op=async_op)
             event = copies.record() if copies is not None else None

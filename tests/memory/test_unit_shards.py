@@ -160,3 +160,28 @@ def test_outsized_pieces_kept_and_written_behind_stay_within_the_staging_budget(
     finally:
         unit.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_loose_writes_in_flight_are_bounded_by_the_ring(tmp_path, monkeypatch):
+    """With writes that never look finished, write_from(block=False) itself waits for the oldest ones: the tensors
+    the manager keeps alive for writes in flight stay within buffer_count x buffer_bytes (or one write)."""
+    from infinity.memory.nvme_store import SegmentRequest
+
+    monkeypatch.setattr(SegmentRequest, "done", lambda self: False)
+    layout = layout_from_runs(0, NUMELS, [[i] for i in range(len(NUMELS))], world_size=1)
+    handle = AioHandle()
+    manager = TierManager(store=NvmeStore(tmp_path, handle=handle, run_id="shards"), handle=handle, buffer_count=2)
+    unit = UnitShards(layout, dtype=torch.float32, device=torch.device("cpu"), home=Tier.NVME, persistent={0},
+                      rank=0, manager=manager, max_piece_numel=64, staging_bytes=0)  # fmt: skip
+    try:
+        ring = manager.buffer_count * manager.buffer_bytes
+        for index in range(1, len(NUMELS)):
+            unit.edit(index, overwrite=True).copy_(piece_values(index))
+            unit.commit(index)
+            assert manager._loose_bytes() <= max(ring, NUMELS[index] * 4), index
+        assert len(manager._loose_writes) == 1  # every piece is larger than the ring: one in flight at a time
+        expected = [torch.zeros(NUMELS[0])] + [piece_values(i) for i in range(1, len(NUMELS))]
+        assert torch.equal(unit.snapshot(), torch.cat(expected))
+    finally:
+        unit.close()
+    assert list(tmp_path.iterdir()) == []
