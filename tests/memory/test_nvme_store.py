@@ -62,7 +62,16 @@ def spawn(nvme_path: Path, run_id: str, tail: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_signals,
     )
+
+
+def _default_signals() -> None:
+    """The child starts with SIGINT and SIGTERM at their defaults, as a Python started from a terminal does: a
+    shell's background job (e.g. a CI script run with `&`) passes SIGINT on ignored, and then Python installs no
+    KeyboardInterrupt handler and the store (rightly) leaves an ignored signal alone."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
