@@ -161,7 +161,7 @@ class TierManager:
         self._writing_by_name: dict[str, _Slot] = {}
         self._held: dict[str, SegmentHandle] = {}  # NVMe segments in a ring buffer, by name
         # write_from(block=False): writes not from the ring, each with the tensor it reads from
-        self._loose_writes: dict[str, tuple[SegmentRequest, int, torch.Tensor]] = {}
+        self._loose_writes: dict[str, tuple[SegmentRequest, torch.Tensor]] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._open = False
@@ -278,14 +278,14 @@ class TierManager:
         if block:
             self._wait(request, "nvme_write", spec.nbytes)
         else:
-            self._loose_writes[name] = (request, spec.nbytes, values)  # values kept alive until it lands
+            self._loose_writes[name] = (request, values)  # values kept alive until it lands
 
     def _loose_bytes(self) -> int:
-        return sum(nbytes for _, nbytes, _ in self._loose_writes.values())
+        return sum(self._specs[name].nbytes for name in self._loose_writes)
 
     def reap_loose_writes(self) -> None:
         """Finishes the loose writes that are done: their tensors are freed, a failed one raises now."""
-        for name in [n for n, (request, *_) in self._loose_writes.items() if request.done()]:
+        for name in [n for n, (request, _) in self._loose_writes.items() if request.done()]:
             self.settle(name)
 
     def settle(self, name: str) -> None:
@@ -296,7 +296,7 @@ class TierManager:
             self._finish_write(pending)
         loose = self._loose_writes.pop(name, None)
         if loose is not None:
-            self._wait(loose[0], "nvme_write", loose[1])
+            self._wait(loose[0], "nvme_write", self._specs[name].nbytes)
 
     def flush(self) -> None:
         """Waits for every write in flight."""

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from infinity.zero.partition import GroupLayout
+
 
 class GradientShards:
     def __init__(self, regions: Sequence[Sequence[tuple[int, int]]], numels: Sequence[int], device: torch.device):
@@ -29,6 +31,12 @@ class GradientShards:
         self._tensors: list[torch.Tensor | None] = [None] * len(self.numels)
         self._written: set[tuple[int, int]] = set()  # (group, offset) written in this window
         self._complete = False  # every region written or zeroed since the last new region
+
+    @classmethod
+    def for_layouts(cls, layouts: Sequence[GroupLayout], device: torch.device) -> GradientShards:
+        """One tensor per layout (param group, or stage 3's flat shard); a region per bucket piece."""
+        regions = [[(b.shard_offset, b.piece_numel) for b in layout.buckets] for layout in layouts]
+        return cls(regions, [layout.shard_numel for layout in layouts], device)
 
     def write(self, group: int, offset: int, piece: torch.Tensor) -> None:
         """Region (group, offset) <- piece, or += piece after its first piece of the window."""

@@ -294,10 +294,7 @@ class ZeroOptimizer(PartitionedOptimizer):
             for master, (group, _) in zip(self.masters, self._master_at, strict=True):
                 optimizer.param_groups[group]["params"].append(master)
             optimizer.state.clear()
-        self.gradients_in_memory = GradientShards(
-            [[(b.shard_offset, b.piece_numel) for b in layout.buckets] for layout in self.layouts],
-            [layout.shard_numel for layout in self.layouts], device,
-        )  # fmt: skip
+        self.gradients_in_memory = GradientShards.for_layouts(self.layouts, device)
         self.reducer = GradientReducer(
             comm=comm, stage=stage, layouts=self.layouts, gradients=self.gradients_in_memory,
             shard_rank=self.shard_rank, device=device, overlap_comm=overlap_comm,
@@ -485,9 +482,7 @@ class UnitOptimizer(PartitionedOptimizer):
             self.tiled.gradients = self.gradients
             self.gradients_in_memory = None  # [Note: swapped gradients]
         else:
-            self.gradients_in_memory = GradientShards(
-                [[(b.shard_offset, b.piece_numel) for b in table.layout.buckets]], [table.layout.shard_numel], device
-            )
+            self.gradients_in_memory = GradientShards.for_layouts([table.layout], device)
         self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
             self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
