@@ -22,7 +22,7 @@ from torch import nn
 
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
-from infinity.errors import ConfigError
+from infinity.errors import CheckpointError, ConfigError
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import return_freed_memory, trim_heap
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers, parameter_shards, tile_numel
@@ -136,30 +136,67 @@ def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torc
 
 class _EpochSampler(torch.utils.data.DistributedSampler):
     """Each pass over the data (start_pass) is the next epoch, a new shuffle, unless the caller chose the epoch
-    with set_epoch() since the last pass (as DeepSpeed's loader does)."""
+    with set_epoch() since the last pass (as DeepSpeed's loader does). A resumed run's next pass is the saved
+    epoch, less the samples it had consumed (``resume``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._next_epoch = 0
         self._epoch_from_caller = False
+        self._resume: tuple[int, int] | None = None  # (epoch, samples to skip) for the next pass
+        self.skipped = 0  # samples the current pass skipped
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         self._epoch_from_caller = True
 
     def start_pass(self) -> None:
-        if not self._epoch_from_caller:
+        self.skipped = 0
+        if self._resume is not None:
+            self.epoch, self.skipped = self._resume
+            self._resume = None
+        elif not self._epoch_from_caller:
             self.epoch = self._next_epoch
         self._epoch_from_caller = False
         self._next_epoch = self.epoch + 1
 
+    def resume(self, epoch: int, skip: int) -> None:
+        self._resume = (epoch, skip)
+
+    def __iter__(self):
+        indices = super().__iter__()
+        return iter(list(indices)[self.skipped :]) if self.skipped else indices
+
 
 class _TrainingDataLoader(torch.utils.data.DataLoader):
-    """initialize()'s training loader: every iter() starts the sampler's next epoch."""
+    """initialize()'s training loader: every iter() starts the sampler's next epoch; it counts the batches it
+    hands out, so a checkpoint can resume the pass where it stopped (DeepSpeed's data sampler state)."""
+
+    _consumed = 0  # batches of the current pass handed out (including those a resumed pass skipped)
+    _in_pass = False
 
     def __iter__(self):
         self.sampler.start_pass()
-        return super().__iter__()
+        self._in_pass = True
+        self._consumed = self.sampler.skipped // self.batch_size
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def position(self) -> dict:
+        """Where the training data stands: the epoch and the batches of it consumed."""
+        return {"epoch": self.sampler.epoch, "batches": self._consumed, "in_pass": self._in_pass,
+                "next_epoch": self.sampler._next_epoch}  # fmt: skip
+
+    def resume(self, position: dict) -> None:
+        """The next iter() continues the saved pass after its consumed batches (or starts the next epoch when
+        the pass was over)."""
+        if not position["in_pass"]:
+            self.sampler._next_epoch = position["next_epoch"]
+        elif position["batches"] >= len(self):
+            self.sampler._next_epoch = position["epoch"] + 1
+        else:
+            self.sampler.resume(position["epoch"], position["batches"] * self.batch_size)
 
 
 def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
@@ -190,6 +227,7 @@ class Engine(nn.Module):
         super().__init__()
         return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
         raw_config = load_json(config)
+        self.raw_config = dict(raw_config)  # as given: checkpoints record it
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
         self.comm = self.distributed.comm
         user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
@@ -507,6 +545,40 @@ class Engine(nn.Module):
         os.makedirs(save_dir, exist_ok=True)
         torch.save(ordered, os.path.join(save_dir, save_filename))
         return True
+
+    # ---- checkpoints (infinity/checkpoint) ----
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:  # fmt: skip
+        """Collective: saves everything needed to resume exactly (weights and fp32 masters, optimizer states,
+        scheduler, loss scaler, counters, data loader position, RNG, ``client_state``) as a universal Zarr
+        checkpoint ``<save_dir>/<tag>`` (tag default ``global_step<N>``), written in parallel by every rank
+        ([Note: crash-safe save] in checkpoint/save.py); ``latest`` names it. Only between optimizer steps."""
+        from infinity.checkpoint.save import save_engine
+
+        self.distributed.check_call("save_checkpoint")
+        if self.micro_steps % self.config.gradient_accumulation_steps != 0:
+            raise CheckpointError(
+                f"save_checkpoint called in the middle of gradient accumulation (micro-step {self.micro_steps}, "
+                f"gradient_accumulation_steps {self.config.gradient_accumulation_steps}): the gradients "
+                "accumulated so far are not saved. Save right after the engine.step() that ends a boundary"
+            )
+        self.last_checkpoint = save_engine(self, save_dir, tag, client_state, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):  # fmt: skip
+        """Collective: loads ``<load_dir>/<tag>`` (default: the tag ``latest`` names) into this engine, whatever
+        world size, stage or offload mode saved it. Returns (path, client_state), or (None, None) when
+        ``load_dir`` has no ``latest``. ``load_module_strict`` is accepted for DeepSpeed's signature: every
+        parameter of the model must be in the checkpoint."""
+        from infinity.checkpoint.load import load_engine
+
+        self.distributed.check_call("load_checkpoint")
+        return load_engine(
+            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )  # fmt: skip
 
     def _dataloader(self, training_data, collate_fn):
         """DeepSpeed's training loader: at every world size a DistributedSampler (shuffled, seed 0) gives this rank

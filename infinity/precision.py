@@ -73,3 +73,10 @@ class LossScaler:
             "iteration": self._iteration,
             "last_overflow": self._last_overflow,
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what state_dict() returned (a resumed run scales its next steps as the saved one would)."""
+        self.scale = float(state["scale"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+        self._iteration = int(state["iteration"])
+        self._last_overflow = int(state["last_overflow"])

@@ -455,6 +455,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self.table = table
         self.compute_dtype = compute_dtype
         groups = [list(g["params"]) for g in optimizer.param_groups]
+        self.groups: list[list[nn.Parameter]] = groups  # the user's param groups (their lists hold tiles now)
         expected = [0] * len(table.units)
         owner: dict[int, int] = {}
         for g, params in enumerate(groups):

@@ -1,0 +1,248 @@
+"""engine.load_checkpoint: each rank reads the ranges its current layout gives it, whatever layout saved them.
+
+The manifest is read and checked first; every array a rank reads is checked against it (shape and dtype, its Zarr
+metadata, each chunk file's size), and a parameter of the model that the checkpoint lacks is named before anything
+changes. Then, region by region ([Note: checkpoint state map] in state_map.py): the weights (stage 3: the unit
+pieces, in the compute dtype; below: every parameter whole), the fp32 masters and, unless told not to, the
+optimizer states; then buffers, hyperparameters and step counts, the scheduler, the loss scaler, the counters, the
+data loader's position and the RNG.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+
+from infinity.checkpoint.manifest import LATEST, Manifest
+from infinity.checkpoint.save import ENGINE_STATE, agree, barrier, check_tag, rng_path
+from infinity.checkpoint.state_map import BUFFERS, PARAMS, Block, Region, StateMap, overlaps, state_key
+from infinity.checkpoint.zarr_store import ArrayMeta, read_array_meta, read_range
+from infinity.errors import CheckpointError
+
+logger = logging.getLogger("infinity")
+
+
+class ArrayReader:
+    """Reads flat ranges of the checkpoint's arrays, each checked against the manifest on first use."""
+
+    def __init__(self, folder: str, manifest: Manifest) -> None:
+        self.folder = folder
+        self.manifest = manifest
+        self._metas: dict[str, ArrayMeta] = {}
+        self.bytes_read = 0
+
+    def meta(self, key: str) -> ArrayMeta:
+        meta = self._metas.get(key)
+        if meta is not None:
+            return meta
+        entry = self.manifest.arrays.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.folder}: the checkpoint has no array {key!r}")
+        meta = read_array_meta(self.folder, key)
+        stored = str(meta.dtype).removeprefix("torch.")
+        if list(meta.shape) != entry["shape"] or stored != entry["dtype"]:
+            raise CheckpointError(
+                f"{self.folder}: array {key!r} is {list(meta.shape)} {stored} but the manifest says "
+                f"{entry['shape']} {entry['dtype']}: the checkpoint is corrupt"
+            )
+        self._metas[key] = meta
+        return meta
+
+    def read(self, key: str, start: int, end: int) -> torch.Tensor:
+        self.bytes_read += (end - start) * self.meta(key).dtype.itemsize
+        return read_range(self.folder, key, self.meta(key), start, end)
+
+    def whole(self, key: str) -> torch.Tensor:
+        meta = self.meta(key)
+        return self.read(key, 0, meta.numel).view(meta.shape)
+
+
+def resolve_tag(load_dir: str, tag: str | None) -> str | None:
+    if tag is not None:
+        return check_tag(tag)
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return check_tag(f.read().strip())
+
+
+def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                load_module_only: bool):  # fmt: skip
+    """Returns (path of the tag loaded, client_state), or (None, None) when there is no ``latest`` (DeepSpeed's
+    answer for a folder with nothing to resume)."""
+    comm = engine.comm
+    load_dir = os.path.abspath(os.fspath(load_dir))
+    tag = agree(comm, resolve_tag(load_dir, tag), "tags (or `latest` files)")
+    if tag is None:
+        logger.warning("load_checkpoint: %s has no `latest` file and no tag was given; nothing loaded",
+                       os.path.join(load_dir, LATEST))  # fmt: skip
+        return None, None
+    folder = os.path.join(load_dir, tag)
+    if not os.path.isdir(folder):
+        found = sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))) if os.path.isdir(
+            load_dir) else []  # fmt: skip
+        raise CheckpointError(f"checkpoint {folder} does not exist; tags in {load_dir}: {found or 'none'}")
+    manifest = Manifest.read(folder)
+    reader = ArrayReader(folder, manifest)
+    state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
+                         rank=comm.rank)  # fmt: skip
+    with_states = load_optimizer_states and not load_module_only
+    if with_states:
+        _check_states(engine, state_map, manifest, folder)
+    keys = _key_map(state_map, manifest, reader, with_states)
+    _load_arrays(engine, state_map, reader, keys, with_states)
+    if with_states:
+        _load_hyperparameters(engine, state_map, manifest)
+    client_state: dict = {}
+    if not load_module_only:
+        client_state = _load_engine_state(engine, folder, load_lr_scheduler_states)
+        _load_rng(folder, comm.rank)
+    barrier(comm)
+    return folder, client_state
+
+
+def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_states: bool) -> dict[str, str]:
+    """Current array key -> the key it was saved under (tied weights are saved under their first name); checks
+    that the checkpoint has every array this rank needs, with the model's shapes, before anything changes."""
+    saved = {key[len(PARAMS) :] for key in manifest.arrays if key.startswith(PARAMS)}
+    keys: dict[str, str] = {}
+    missing = []
+    states = [s for s in state_map.state_names if s in manifest.state_names] if with_states else []
+    for key, spec in state_map.specs.items():
+        if key.startswith(BUFFERS):
+            keys[key] = key
+            if key not in manifest.arrays:
+                missing.append(key)
+            continue
+        if not key.startswith(PARAMS):
+            continue
+        name = key[len(PARAMS) :]
+        found = manifest.saved_name(name, saved)
+        if found is None:
+            missing.append(name)
+            continue
+        keys[key] = PARAMS + found
+        for state in states:
+            keys[state_key(state, name)] = state_key(state, found)
+        for mine in [key, *(state_key(s, name) for s in states)]:
+            shape = list(reader.meta(keys[mine]).shape)
+            if shape != list(spec.meta.shape):
+                raise CheckpointError(f"{reader.folder}: {mine!r} has shape {shape} in the checkpoint but "
+                                      f"{list(spec.meta.shape)} in the model")  # fmt: skip
+    if missing:
+        raise CheckpointError(
+            f"{reader.folder} has no values for {len(missing)} of the model's parameters/buffers: "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Is it a checkpoint of this model?"
+        )
+    return keys
+
+
+def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[str, str], with_states: bool) -> None:
+    if engine.stage3 is None:
+        with torch.no_grad():
+            for name, param in _whole_parameters(engine, state_map):
+                param.data.copy_(reader.whole(keys[PARAMS + name]).view(param.shape))
+    shards = engine.stage3.table.shards if engine.stage3 is not None else None
+    for region in state_map.regions:
+        if shards is not None:
+            piece = shards.edit(region.piece, overwrite=True)
+            for fragment in [*region.optimized, *region.others]:
+                first = fragment.offset - region.start
+                key = keys[PARAMS + fragment.name]
+                piece[first : first + fragment.numel].copy_(
+                    reader.read(key, fragment.param_start, fragment.param_start + fragment.numel)
+                )
+            shards.commit(region.piece)
+        for block in state_map.blocks(region, dirty=True, with_states=with_states):
+            _fill_block(block, region, reader, keys)
+    if engine.stage3 is not None:
+        engine.zero_optimizer._regather_persistent()
+    with torch.no_grad():
+        for name, buffer in state_map.buffers.items():
+            buffer.copy_(reader.whole(keys[BUFFERS + name]).view(buffer.shape))
+    if with_states:
+        state_map.set_group_steps([g.step for g in reader.manifest.groups], list(reader.manifest.scalar_keys))
+
+
+def _check_states(engine, state_map: StateMap, manifest: Manifest, folder: str) -> None:
+    """The checkpoint's optimizer matches this one: as many param groups, every state it keeps (the user's
+    optimizer gets zero states to load into when it has not stepped yet)."""
+    steps = [g.step for g in manifest.groups]
+    if len(steps) != len(engine.zero_optimizer.param_groups):
+        raise CheckpointError(f"{folder} has {len(steps)} optimizer param groups, the optimizer has "
+                              f"{len(engine.zero_optimizer.param_groups)}; pass load_optimizer_states=False "
+                              "to load the weights only")  # fmt: skip
+    state_map.ensure_states(list(manifest.state_names), steps)
+    absent = [s for s in state_map.state_names if s not in manifest.state_names]
+    if absent and any(steps):
+        raise CheckpointError(f"{folder} has no optimizer state {absent} (saved: {manifest.state_names}); was it "
+                              "saved with another optimizer? Pass load_optimizer_states=False")  # fmt: skip
+
+
+def _whole_parameters(engine, state_map: StateMap):
+    for group in engine.zero_optimizer.groups:
+        for param in group:
+            yield state_map.names[id(param)], param
+    yield from state_map.replicated
+
+
+def _fill_block(block: Block, region: Region, reader: ArrayReader, keys: dict[str, str]) -> None:
+    for fragment, lo, hi in overlaps(region.optimized, block.start, block.numel):
+        start = fragment.param_start + lo - fragment.offset
+        end = start + hi - lo
+        if block.master is not None:
+            master = reader.read(keys[PARAMS + fragment.name], start, end)
+            block.master[lo - block.start : hi - block.start].copy_(master)
+        for name, values in block.states.items():
+            key = keys.get(state_key(name, fragment.name))
+            target = values[lo - block.start : hi - block.start]
+            if key is None:
+                target.zero_()  # a state the checkpoint has not got; only when no group had stepped
+            else:
+                target.copy_(reader.read(key, start, end))
+
+
+def _load_hyperparameters(engine, state_map: StateMap, manifest: Manifest) -> None:
+    for group, entry in zip(engine.zero_optimizer.param_groups, manifest.groups, strict=True):
+        for key, value in entry.hyperparameters.items():
+            if key in group and value is not None:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+def _load_engine_state(engine, folder: str, load_lr_scheduler_states: bool) -> dict:
+    path = os.path.join(folder, ENGINE_STATE)
+    try:
+        state = torch.load(path, weights_only=False)  # client_state is the user's own objects
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    engine.global_steps = state["global_steps"]
+    engine.micro_steps = state["micro_steps"]
+    engine.skipped_steps = state["skipped_steps"]
+    engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    loader = engine.training_dataloader
+    if state["data_loader"] is not None and hasattr(loader, "resume"):
+        loader.resume(state["data_loader"])
+    return state["client_state"]
+
+
+def _load_rng(folder: str, rank: int) -> None:
+    path = rng_path(folder, rank)
+    if not os.path.exists(path):
+        logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size); "
+                       "this rank's RNG is left as it is", rank, folder)  # fmt: skip
+        return
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

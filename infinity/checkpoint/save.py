@@ -1,0 +1,200 @@
+"""engine.save_checkpoint: every rank writes the chunks it owns, in parallel, into a folder that appears whole.
+
+[Note: crash-safe save]
+A save writes ``<save_dir>/<tag>.tmp`` (removed first if an earlier save died there): rank 0 the Zarr metadata,
+every rank its chunks ([Note: chunk ownership] in chunks.py) and its RNG state, rank 0 the engine's state. Each
+rank makes its files durable (syncfs), the ranks meet, rank 0 writes the manifest (fsynced), renames the folder to
+``<save_dir>/<tag>`` and then replaces ``latest`` atomically (a temporary file, fsynced, renamed). A process killed
+at any point leaves the previous tags and ``latest`` as they were: a tag folder without a manifest, or named
+``.tmp``, is never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from infinity.checkpoint.chunks import ChunkWriter
+from infinity.checkpoint.durable import publish_folder, sync_files, write_durably
+from infinity.checkpoint.manifest import LATEST, GroupEntry, Manifest, dtype_name, json_safe
+from infinity.checkpoint.state_map import PARAMS, StateMap, overlaps, state_key
+from infinity.checkpoint.zarr_store import write_array_meta, write_group
+from infinity.errors import CheckpointError
+
+ENGINE_STATE = "engine_state.pt"
+_TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStats:
+    seconds: float
+    bytes_written: int  # this rank's chunk bytes
+
+
+def rng_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, "rng", f"rank{rank}.pt")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def check_tag(tag: str) -> str:
+    tag = str(tag)
+    if not _TAG.match(tag) or tag in (".", "..") or tag.endswith(".tmp") or tag == LATEST:
+        raise CheckpointError(f"checkpoint tag {tag!r}: use letters, digits, '_', '-' and '.' (not 'latest', not "
+                              "ending in '.tmp')")  # fmt: skip
+    return tag
+
+
+def agree(comm, value, what: str):
+    """Every rank passed the same ``value`` (a tag, a folder), or a CheckpointError on every rank."""
+    if not comm.active:
+        return value
+    values: list = [None] * comm.world_size
+    dist.all_gather_object(values, value, group=comm.group)
+    if any(v != values[0] for v in values):
+        raise CheckpointError(f"ranks passed different {what}: {values}; pass the same on every rank")
+    return value
+
+
+def barrier(comm) -> None:
+    if comm.active:
+        dist.barrier(group=comm.group)
+
+
+def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict | None,
+                save_latest: bool = True) -> SaveStats:  # fmt: skip
+    started = time.perf_counter()
+    comm = engine.comm
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    tag = agree(comm, check_tag(tag if tag is not None else f"global_step{engine.global_steps}"), "tags")
+    agree(comm, save_dir, "save_dir folders")
+    final = os.path.join(save_dir, tag)
+    tmp = final + ".tmp"
+    state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
+                         rank=comm.rank)  # fmt: skip
+    if comm.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # an earlier save of this tag died part way
+        write_group(tmp)
+        for prefix in {key.rsplit("/", 1)[0] for key in state_map.specs}:
+            parts = prefix.split("/")
+            for depth in range(1, len(parts) + 1):
+                write_group(tmp, "/".join(parts[:depth]))
+        for key, spec in state_map.specs.items():
+            write_array_meta(tmp, key, spec.meta)
+    barrier(comm)
+    writer = ChunkWriter(tmp, state_map.specs, comm)
+    _write_arrays(engine, state_map, writer)
+    writer.finish()
+    os.makedirs(os.path.dirname(rng_path(tmp, comm.rank)), exist_ok=True)
+    torch.save(rng_state(), rng_path(tmp, comm.rank))
+    written = [*writer.written, rng_path(tmp, comm.rank)]
+    if comm.rank == 0:
+        torch.save(_engine_state(engine, client_state), os.path.join(tmp, ENGINE_STATE))
+        written.append(os.path.join(tmp, ENGINE_STATE))
+    sync_files(tmp, written)
+    barrier(comm)  # every rank's part is on disk
+    if comm.rank == 0:
+        _manifest(engine, state_map).write(tmp)
+        publish_folder(tmp, final)
+        if save_latest:
+            write_durably(os.path.join(save_dir, LATEST), tag)
+    barrier(comm)
+    return SaveStats(time.perf_counter() - started, writer.bytes_written)
+
+
+def _write_arrays(engine, state_map: StateMap, writer: ChunkWriter) -> None:
+    """Region by region, the values this rank holds, then the parameters and buffers every rank holds whole."""
+    partitioned = any(spec.owners is not None for spec in state_map.specs.values())
+    shards = engine.stage3.table.shards if engine.stage3 is not None else None
+    for region in state_map.regions:
+        piece = None
+        if shards is not None and (region.others or engine.zero_optimizer.tiled.masters is not None):
+            piece = shards.read(region.piece)  # parameters outside the optimizer; fp32 weights that are masters
+        for fragment in region.others:
+            first = fragment.offset - region.start
+            writer.put(PARAMS + fragment.name, fragment.param_start, piece[first : first + fragment.numel])
+        for block in state_map.blocks(region, dirty=False):
+            for fragment, lo, hi in overlaps(region.optimized, block.start, block.numel):
+                start = fragment.param_start + lo - fragment.offset
+                if block.master is not None:
+                    master = block.master[lo - block.start : hi - block.start]
+                else:
+                    master = piece[lo - region.start : hi - region.start]
+                writer.put(PARAMS + fragment.name, start, master)
+                for name, values in block.states.items():
+                    writer.put(state_key(name, fragment.name), start, values[lo - block.start : hi - block.start])
+        if partitioned:
+            writer.exchange()
+    for name, param in state_map.replicated:
+        writer.put(PARAMS + name, 0, param.detach())
+    for name, buffer in state_map.buffers.items():
+        writer.put("buffers/" + name, 0, buffer.detach())
+
+
+def _engine_state(engine, client_state: dict | None) -> dict:
+    loader = engine.training_dataloader
+    return {
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
+        "data_loader": loader.position() if hasattr(loader, "position") else None,
+        "client_state": client_state or {},
+    }
+
+
+def _manifest(engine, state_map: StateMap) -> Manifest:
+    from infinity import __version__
+
+    zero = engine.config.zero
+    arrays = {}
+    for key, spec in state_map.specs.items():
+        arrays[key] = {"shape": list(spec.meta.shape), "dtype": dtype_name(spec.meta.dtype)}
+    for name, dtype in [*((n, p.dtype) for n, p in state_map.replicated), *_stage3_others(engine, state_map)]:
+        arrays[PARAMS + name]["torch_dtype"] = dtype_name(dtype)
+    for name, buffer in state_map.buffers.items():
+        arrays["buffers/" + name]["torch_dtype"] = dtype_name(buffer.dtype)
+    steps = state_map.group_steps()
+    groups = []
+    for g, group in enumerate(engine.zero_optimizer.param_groups):
+        hyper = {k: json_safe(v) for k, v in group.items() if k != "params"}
+        groups.append(GroupEntry(state_map.group_names[g], hyper, steps[g]))
+    return Manifest(
+        world_size=engine.comm.world_size, stage=zero.stage, compute_dtype=dtype_name(engine.compute_dtype),
+        offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
+        global_steps=engine.global_steps, micro_steps=engine.micro_steps, skipped_steps=engine.skipped_steps,
+        arrays=arrays, aliases=state_map.aliases, groups=groups, state_names=list(state_map.state_names),
+        scalar_keys=state_map.scalar_keys(), config=json_safe_config(engine.raw_config),
+        library_version=__version__,
+    )  # fmt: skip
+
+
+def _stage3_others(engine, state_map: StateMap):
+    """(name, dtype) of stage 3's parameters outside the optimizer: they are kept in the compute dtype."""
+    if engine.stage3 is None:
+        return []
+    optimized = {id(p) for group in engine.zero_optimizer.groups for p in group}
+    return [(state_map.names[id(p)], engine.compute_dtype) for unit in engine.stage3.table.units
+            for p in unit.params if id(p) not in optimized]  # fmt: skip
+
+
+def json_safe_config(config) -> dict:
+    import json
+
+    return json.loads(json.dumps(config, default=str))
