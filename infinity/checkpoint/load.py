@@ -127,9 +127,10 @@ def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_
             missing.append(name)
             continue
         keys[key] = PARAMS + found
-        for state in states:
+        mine_states = [s for s in states if state_key(s, name) in state_map.specs]  # only optimized parameters
+        for state in mine_states:
             keys[state_key(state, name)] = state_key(state, found)
-        for mine in [key, *(state_key(s, name) for s in states)]:
+        for mine in [key, *(state_key(s, name) for s in mine_states)]:
             shape = list(reader.meta(keys[mine]).shape)
             if shape != list(spec.meta.shape):
                 raise CheckpointError(f"{reader.folder}: {mine!r} has shape {shape} in the checkpoint but "

@@ -115,6 +115,7 @@ class StateMap:
         self.specs: dict[str, ArraySpec] = {}
         self.regions: list[Region] = []
         self.replicated: list[tuple[str, nn.Parameter]] = []  # parameters every rank holds whole, unpartitioned
+        self.optimized: dict[str, tuple] = {}  # name -> (shape, owners) of the parameters the optimizer updates
         self.group_names: list[list[str]] = [[] for _ in optimizer.param_groups]
         self.state_names = self._state_names()
         if isinstance(optimizer, UnitOptimizer):
@@ -135,6 +136,7 @@ class StateMap:
         self.specs[key] = ArraySpec(key, ArrayMeta.plan(shape, dtype), owners)
 
     def _optimized(self, name: str, shape, owners) -> None:
+        self.optimized[name] = (shape, owners)
         self._spec(PARAMS + name, shape, torch.float32, owners)
         for state in self.state_names:
             self._spec(state_key(state, name), shape, torch.float32, owners)
@@ -308,3 +310,6 @@ class StateMap:
                 if not torch.is_tensor(state.get(name)):
                     state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
         self.state_names = tuple(dict.fromkeys((*self.state_names, *names)))
+        for name, (shape, owners) in self.optimized.items():
+            for state in self.state_names:
+                self._spec(state_key(state, name), shape, torch.float32, owners)
