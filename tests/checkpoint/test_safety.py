@@ -1,0 +1,203 @@
+"""Checkpoints that users break: a process killed mid-save, damaged files, the wrong model, bad calls.
+
+One process, world size 1 (the distributed cases are in tests/distributed/test_checkpoint.py). The kills are real:
+a child process SIGKILLs itself in the middle of save_checkpoint (while writing chunks; after the new tag is in
+place but before ``latest`` moves) and the parent checks that the previous tag is what loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import infinity
+from infinity import CheckpointError
+from tests.distributed.training import TinyTransformer, engine_config, global_batch, loss_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _engine(stage: int = 2, d_model: int = 32, accumulation: int = 1):
+    torch.manual_seed(0)
+    config = engine_config(stage=stage, micro=4, accumulation=accumulation, lr=1e-2, clip=1.0)
+    engine, *_ = infinity.initialize(model=TinyTransformer(d_model=d_model), config=config)
+    return engine
+
+
+def _train(engine, steps: int, first: int = 0) -> list[float]:
+    losses = []
+    for step in range(first, first + steps):
+        for _ in range(engine.gradient_accumulation_steps()):
+            inputs, target = global_batch("transformer", step, 4)
+            loss = loss_fn("transformer", engine(inputs), target)
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint after 2 steps, and the losses of 2 more steps from there."""
+    folder = tmp_path_factory.mktemp("ckpt")
+    engine = _engine()
+    _train(engine, 2)
+    engine.save_checkpoint(folder, client_state={"epoch": 3})
+    after = _train(engine, 2, first=2)
+    engine.destroy()
+    return folder, after
+
+
+def _copy(saved, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(saved[0], target)
+    return target, os.path.join(target, "global_step2")
+
+
+def test_loads_latest_and_returns_client_state(saved):
+    engine = _engine()
+    path, client_state = engine.load_checkpoint(saved[0])
+    assert os.path.basename(path) == "global_step2" and client_state == {"epoch": 3}
+    assert engine.global_steps == 2
+    assert _train(engine, 2, first=2) == saved[1]
+    engine.destroy()
+
+
+def test_nothing_to_load_is_none_and_a_missing_tag_is_named(saved, tmp_path):
+    engine = _engine()
+    assert engine.load_checkpoint(tmp_path) == (None, None)
+    with pytest.raises(CheckpointError, match="global_step9.*does not exist.*global_step2"):
+        engine.load_checkpoint(saved[0], tag="global_step9")
+    engine.destroy()
+
+
+def test_a_deleted_chunk_is_named(saved, tmp_path):
+    folder, tag = _copy(saved, tmp_path)
+    os.remove(os.path.join(tag, "optimizer", "exp_avg", "head.weight", "c", "0", "0"))
+    engine = _engine()
+    with pytest.raises(CheckpointError, match=r"optimizer/exp_avg/head.weight.*chunk c/0/0 is missing"):
+        engine.load_checkpoint(folder)
+    engine.destroy()
+
+
+def test_a_truncated_chunk_is_named(saved, tmp_path):
+    folder, tag = _copy(saved, tmp_path)
+    path = os.path.join(tag, "params", "embed.weight", "c", "0", "0")
+    os.truncate(path, os.path.getsize(path) - 4)
+    engine = _engine()
+    with pytest.raises(CheckpointError, match=r"params/embed.weight.*has \d+ bytes, expected"):
+        engine.load_checkpoint(folder)
+    engine.destroy()
+
+
+def test_an_edited_manifest_is_caught(saved, tmp_path):
+    folder, tag = _copy(saved, tmp_path)
+    path = os.path.join(tag, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["arrays"]["params/head.weight"]["shape"] = [50, 33]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    engine = _engine()
+    with pytest.raises(CheckpointError, match=r"array 'params/head.weight' is \[50, 32\].*manifest says \[50, 33\]"):
+        engine.load_checkpoint(folder)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match="manifest cannot be read"):
+        engine.load_checkpoint(folder)
+    engine.destroy()
+
+
+def test_an_array_of_the_wrong_shape_for_the_model_is_named(saved):
+    engine = _engine(d_model=48)
+    with pytest.raises(CheckpointError, match=r"'params/pos' has shape \[8, 32\] in the checkpoint but "
+                                              r"\[8, 48\] in the model"):  # fmt: skip
+        engine.load_checkpoint(saved[0])
+    engine.destroy()
+
+
+def test_a_model_without_the_parameters_is_refused_before_anything_changes(saved):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    engine, *_ = infinity.initialize(model=model, config=engine_config(stage=1, micro=4, accumulation=1, lr=1e-2,
+                                                                        clip=0.0))  # fmt: skip
+    before = model[0].weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"no values for 2 of the model's parameters.*0.weight, 0.bias"):
+        engine.load_checkpoint(saved[0])
+    assert torch.equal(model[0].weight, before)
+    engine.destroy()
+
+
+def test_save_inside_gradient_accumulation_is_refused(tmp_path):
+    engine = _engine(accumulation=2)
+    inputs, target = global_batch("transformer", 0, 4)
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    engine.step()
+    with pytest.raises(CheckpointError, match="middle of gradient accumulation"):
+        engine.save_checkpoint(tmp_path)
+    assert not os.listdir(tmp_path)
+    engine.destroy()
+
+
+def test_bad_tags_are_refused(tmp_path):
+    engine = _engine()
+    for tag in ("latest", "a/b", "x.tmp", ".."):
+        with pytest.raises(CheckpointError, match="checkpoint tag"):
+            engine.save_checkpoint(tmp_path, tag=tag)
+    engine.destroy()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import infinity.checkpoint.chunks as chunks
+    import infinity.checkpoint.save as save
+    from tests.checkpoint.test_safety import _engine, _train
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint({folder!r}, tag="good")
+    _train(engine, 1, first=1)
+    if {point!r} == "chunks":
+        original, count = chunks.write_chunk, [0]
+        def dying(*args, **kwargs):
+            count[0] += 1
+            if count[0] == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+        chunks.write_chunk = dying
+    else:
+        save.write_durably = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+    engine.save_checkpoint({folder!r}, tag="doomed")
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["chunks", "latest"])
+def test_a_save_killed_midway_leaves_the_previous_tag_loadable(tmp_path, point):
+    folder = str(tmp_path / "ckpt")
+    child = subprocess.run([sys.executable, "-c", _CHILD.format(root=ROOT, folder=folder, point=point)],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    with open(os.path.join(folder, "latest")) as f:
+        assert f.read() == "good"
+    names = set(os.listdir(folder))
+    assert "good" in names and ("doomed.tmp" in names if point == "chunks" else "doomed" in names)
+    engine = _engine()
+    path, _ = engine.load_checkpoint(folder)
+    assert os.path.basename(path) == "good" and engine.global_steps == 1
+    if point == "chunks":
+        with pytest.raises(CheckpointError, match="does not exist"):
+            engine.load_checkpoint(folder, tag="doomed")  # the half-written .tmp is never loaded
+        engine.save_checkpoint(folder, tag="doomed")  # and a new save of that tag replaces it
+        assert "doomed.tmp" not in os.listdir(folder) and "doomed" in os.listdir(folder)
+    engine.destroy()
