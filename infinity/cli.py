@@ -8,6 +8,7 @@ USAGE = """usage: infinity <command> [options]
 
 commands:
   aio-bench   measure (and tune) read/write throughput of a disk through the async I/O engine
+  ckpt        look into a checkpoint (info) or write it as a plain fp32 state dict (to-fp32)
 
 Run `infinity <command> --help` for a command's options."""
 
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from infinity.aio.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "ckpt":
+        from infinity.checkpoint.cli import main as ckpt_main
+
+        return ckpt_main(rest)
     print(f"infinity: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

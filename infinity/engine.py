@@ -505,11 +505,14 @@ class Engine(nn.Module):
         """ZeRO-3 fetch telemetry of the last optimizer step (all its micro-steps); empty below stage 3."""
         return self._fetch_stats.as_dict() if self.stage3 is not None else {}
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
         """Collective (every rank calls it; a rank calling it alone gets a CollectiveUsageError): the model's
-        state dict in the compute dtype, in one file written by rank 0. At stage 3 the weights are gathered one
-        unit at a time (other ranks hold at most one unit more) and only with
-        stage3_gather_16bit_weights_on_model_save; without it this returns False, as DeepSpeed does."""
+        weights in the compute dtype, written by rank 0 as safetensors (``.bin``/``.pt``: DeepSpeed's torch.save
+        file), with a transformers model's config.json beside them (checkpoint/model16.py). At stage 3 the
+        weights are gathered one unit at a time, and only with stage3_gather_16bit_weights_on_model_save;
+        without it this returns False, as DeepSpeed does."""
+        from infinity.checkpoint.model16 import save_16bit
+
         self.distributed.check_call("save_16bit_model")
         if self.stage3 is not None and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
@@ -517,33 +520,7 @@ class Engine(nn.Module):
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save true"
             )
             return False
-        names: dict[int, list[str]] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        state: dict[str, torch.Tensor] = {}
-
-        def take(param: torch.Tensor) -> None:
-            if self.comm.rank == 0:
-                value = param.detach().to("cpu", copy=True)
-                for name in names.get(id(param), []):
-                    state[name] = value
-
-        if self.stage3 is None:
-            for param in self.module.parameters():
-                take(param)
-        else:
-            for unit in self.stage3.table.units:
-                gathered = self.stage3.gather(unit.params)
-                for param in unit.params:
-                    take(param)
-                self.stage3.partition(gathered, modifier_rank=None)
-        if self.comm.rank != 0:
-            return True
-        for name, buffer in self.module.named_buffers():
-            state[name] = buffer.detach().to("cpu", copy=True)
-        ordered = {key: state[key] for key in self.module.state_dict(keep_vars=True) if key in state}
-        os.makedirs(save_dir, exist_ok=True)
-        torch.save(ordered, os.path.join(save_dir, save_filename))
+        save_16bit(self, save_dir, save_filename)
         return True
 
     # ---- checkpoints (infinity/checkpoint) ----

@@ -240,6 +240,7 @@ class StateMap:
 
     def _tile_blocks(self, tiles: list[Tile], *, dirty: bool, with_states: bool) -> Iterator[Block]:
         tiled = self.optimizer.tiled
+        tiled.drop_ahead()  # reads a step started would hold buffers (and values) of the tiles
         for tile in tiles:
             handle = tiled.manager.acquire(tile.name)
             try:

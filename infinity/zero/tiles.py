@@ -265,7 +265,7 @@ class TiledStep:
         self._visit(lambda tile, master: master.copy_(source(tile)), dirty=True, tiles=tiles)
 
     def _visit(self, fn, *, dirty: bool, tiles: list[Tile] | None = None) -> None:
-        self._drop_ahead()
+        self.drop_ahead()
         for tile in self.tiles if tiles is None else tiles:
             handle = self.manager.acquire(tile.name)
             try:
@@ -274,7 +274,7 @@ class TiledStep:
                 self.manager.release(handle, dirty=dirty)
         self.manager.flush()
 
-    def _drop_ahead(self) -> None:
+    def drop_ahead(self) -> None:
         for handle in self._ahead.values():
             self.manager.release(handle, dirty=False)
         self._ahead.clear()
@@ -291,7 +291,7 @@ class TiledStep:
 
     def close(self) -> None:
         try:
-            self._drop_ahead()
+            self.drop_ahead()
         finally:
             try:
                 self.manager.close()

@@ -201,3 +201,40 @@ def test_a_save_killed_midway_leaves_the_previous_tag_loadable(tmp_path, point):
         engine.save_checkpoint(folder, tag="doomed")  # and a new save of that tag replaces it
         assert "doomed.tmp" not in os.listdir(folder) and "doomed" in os.listdir(folder)
     engine.destroy()
+
+
+class _Tiny(torch.nn.Module):
+    """Every parameter tiny, one of them a scalar, one frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.first = torch.nn.Linear(3, 2)
+        self.frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        self.second = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        return self.second(self.first(x) * self.scale + self.frozen)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_model_of_tiny_and_scalar_parameters_resumes_exactly(tmp_path, stage):
+    def run(load: bool, steps: range) -> list[float]:
+        torch.manual_seed(0)
+        config = engine_config(stage=stage, micro=4, accumulation=1, lr=1e-2, clip=0.0)
+        engine, *_ = infinity.initialize(model=_Tiny(), config=config)
+        if load:
+            engine.load_checkpoint(tmp_path)
+        losses = []
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            loss = engine(torch.randn(4, 3, generator=gen)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if step == 2 and not load:
+                engine.save_checkpoint(tmp_path)
+        engine.destroy()
+        return losses
+
+    assert run(False, range(6))[3:] == run(True, range(3, 6))

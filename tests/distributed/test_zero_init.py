@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import infinity
@@ -202,7 +203,7 @@ def _save_16bit(rank: int, world_size: int, save_dir: str, gather: bool) -> dict
         mine = slice(rank * 2, rank * 2 + 2)
         engine.backward(loss_fn("transformer", engine(inputs[mine]), target[mine]))
         engine.step()
-    saved = engine.save_16bit_model(save_dir, "model.bin")
+    saved = engine.save_16bit_model(save_dir)
     pieces = own_pieces(engine, masters=False)  # this rank's bf16 shard, read without a gather
     engine.destroy()
     return {"saved": saved, "pieces": pieces}
@@ -213,7 +214,7 @@ def test_save_16bit_model_loads_into_the_plain_model(tmp_path):
     assert all(r["saved"] for r in results)
     plain = build("transformer").to(torch.bfloat16)
     initial = {name: p.detach().clone() for name, p in plain.named_parameters()}
-    plain.load_state_dict(torch.load(os.path.join(tmp_path, "model.bin")), strict=True)
+    plain.load_state_dict(load_file(os.path.join(tmp_path, "model.safetensors")), strict=True)
     saved = {name: p.detach() for name, p in plain.named_parameters()}
     assert all(p.dtype == torch.bfloat16 for p in saved.values())
     # What plain PyTorch reaches with the same data and recipe (training.train_reference), in bf16: the saved

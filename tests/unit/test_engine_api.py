@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import infinity
 import infinity.zero
@@ -151,8 +152,8 @@ def test_save_16bit_model_below_stage3(tmp_path):
             for p_master, p_compute in zip(master.parameters(), compute.parameters(), strict=True):
                 p_compute.copy_(p_master)
     assert engine.save_16bit_model(tmp_path)
-    state = torch.load(tmp_path / "pytorch_model.bin")
-    assert list(state) == list(master.state_dict())
+    state = load_file(tmp_path / "model.safetensors")
+    assert sorted(state) == sorted(master.state_dict())
     for name, want in master.named_parameters():
         saved = state[name]
         assert saved.dtype == torch.bfloat16, name

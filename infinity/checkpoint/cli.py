@@ -1,0 +1,36 @@
+"""`infinity ckpt info | to-fp32`: look into a checkpoint, or turn it into a plain fp32 state dict."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infinity.errors import CheckpointError
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="infinity ckpt", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="tags, step, world size, stage, arrays and sizes of a checkpoint")
+    info.add_argument("ckpt_dir", help="the save_dir given to save_checkpoint (or one tag's folder)")
+    info.add_argument("--tag", default=None, help="the tag to describe (default: the one `latest` names)")
+    fp32 = commands.add_parser(
+        "to-fp32", help="write the fp32 weights as safetensors shards + model.safetensors.index.json (zero_to_fp32)"
+    )
+    fp32.add_argument("ckpt_dir", help="the save_dir given to save_checkpoint (or one tag's folder)")
+    fp32.add_argument("out_dir", help="folder for the safetensors files (created)")
+    fp32.add_argument("--tag", default=None, help="the tag to convert (default: the one `latest` names)")
+    fp32.add_argument("--max-shard-size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    args = parser.parse_args(argv)
+    from infinity.checkpoint.consolidate import describe, to_fp32
+
+    try:
+        if args.command == "info":
+            print(describe(args.ckpt_dir, args.tag))
+        else:
+            files = to_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size)
+            print("\n".join(files))
+    except (CheckpointError, ValueError) as e:
+        print(f"infinity ckpt {args.command}: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,143 @@
+"""Checkpoint -> a plain fp32 state dict (DeepSpeed's zero_to_fp32), and a summary of what a checkpoint holds.
+
+The checkpoint already stores each parameter whole, by name ([Note: zarr layout] in zarr_store.py), so
+consolidation is a copy: each array is streamed chunk by chunk into safetensors shards, never a whole tensor in
+memory (peak RSS is bounded by a chunk, 8 MiB, not by the model or its largest tensor). The output is what
+transformers reads: ``model.safetensors`` or, beyond ``max_shard_size``, ``model-0000k-of-0000n.safetensors``
+files, with ``model.safetensors.index.json`` either way. No infinity is needed to load it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import torch
+
+from infinity.checkpoint.load import resolve_tag
+from infinity.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from infinity.checkpoint.safetensors_io import Entry, SafetensorsWriter
+from infinity.checkpoint.state_map import BUFFERS, PARAMS
+from infinity.checkpoint.zarr_store import read_array_meta, read_range
+from infinity.errors import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """"5GB", "500MB", "2GiB" or a number of bytes."""
+    if isinstance(text, int):
+        return text
+    found = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if found is None or found.group(2).upper() not in _UNITS:
+        raise ValueError(f"size {text!r}: use a number with B, KB, MB, GB (or KiB, MiB, GiB)")
+    return int(float(found.group(1)) * _UNITS[found.group(2).upper()])
+
+
+def tag_folder(ckpt_dir: str | os.PathLike, tag: str | None) -> str:
+    ckpt_dir = os.fspath(ckpt_dir)
+    if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):  # a tag folder itself
+        return ckpt_dir
+    resolved = resolve_tag(ckpt_dir, tag)
+    if resolved is None:
+        raise CheckpointError(f"{ckpt_dir} has no `{LATEST}` file; pass --tag (tags: {', '.join(tags(ckpt_dir))})")
+    return os.path.join(ckpt_dir, resolved)
+
+
+def tags(ckpt_dir: str) -> list[str]:
+    """The complete tags in a folder (those with a manifest)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(n for n in os.listdir(ckpt_dir) if os.path.exists(os.path.join(ckpt_dir, n, MANIFEST)))
+
+
+def _output_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype.is_floating_point else dtype
+
+
+def to_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
+            max_shard_size: str | int = "5GB", step_bytes: int = 8 << 20) -> list[str]:  # fmt: skip
+    """Writes the checkpoint's parameters (fp32) and buffers as safetensors shards + index into ``out_dir``;
+    returns the files written. Tied parameters appear once, under their first name (as transformers saves them);
+    the index's metadata lists the aliases."""
+    folder = tag_folder(ckpt_dir, tag)
+    manifest = Manifest.read(folder)
+    limit = parse_size(max_shard_size)
+    entries = []
+    for key in manifest.arrays:
+        if key.startswith((PARAMS, BUFFERS)):
+            meta = read_array_meta(folder, key)
+            entries.append((key, Entry(key.split("/", 1)[1], meta.shape, _output_dtype(meta.dtype)), meta))
+    shards: list[list] = [[]]
+    size = 0
+    for item in entries:
+        if shards[-1] and size + item[1].nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item[1].nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]  # fmt: skip
+    weight_map: dict[str, str] = {}
+    written = []
+    for name, shard in zip(names, shards, strict=True):
+        path = os.path.join(out_dir, name)
+        with SafetensorsWriter(path, [entry for _, entry, _ in shard]) as writer:
+            for key, entry, meta in shard:
+                step = max(1, step_bytes // meta.dtype.itemsize)
+                for first in range(0, meta.numel, step):
+                    writer.write(entry.name, read_range(folder, key, meta, first, min(first + step, meta.numel)),
+                                 first)  # fmt: skip
+                weight_map[entry.name] = name
+        written.append(path)
+    index = {"metadata": {"total_size": sum(e.nbytes for _, e, _ in entries), "aliases": manifest.aliases,
+                          "global_steps": manifest.global_steps}, "weight_map": weight_map}  # fmt: skip
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    written.append(os.path.join(out_dir, INDEX))
+    return written
+
+
+def describe(ckpt_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """What `infinity ckpt info` prints."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    folder = tag_folder(ckpt_dir, tag)
+    manifest = Manifest.read(folder)
+    lines = []
+    parent = os.path.dirname(folder.rstrip("/"))
+    latest = resolve_tag(parent, None) if os.path.exists(os.path.join(parent, LATEST)) else None
+    lines.append(f"tags in {parent}: {', '.join(tags(parent)) or 'none'} (latest: {latest or 'none'})")
+    lines.append(f"tag {os.path.basename(folder.rstrip('/'))}: step {manifest.global_steps} "
+                 f"({manifest.skipped_steps} skipped), saved at world size {manifest.world_size}, ZeRO stage "
+                 f"{manifest.stage}, {manifest.compute_dtype}, optimizer offload {manifest.offload_optimizer}, "
+                 f"parameter offload {manifest.offload_param}, infinity {manifest.library_version}")  # fmt: skip
+    total = 0
+    kinds: dict[str, list[int]] = {}
+    sizes = []
+    for key, entry in manifest.arrays.items():
+        numel = math.prod(entry["shape"])
+        nbytes = numel * torch.empty((), dtype=getattr(torch, entry["dtype"])).element_size()
+        total += nbytes
+        kind = key.rsplit("/", 1)[0] if key.startswith("optimizer/") else key.split("/", 1)[0]
+        counts = kinds.setdefault(kind, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += numel
+        counts[2] += nbytes
+        sizes.append((nbytes, key, entry["shape"], entry["dtype"]))
+    lines.append(f"{len(manifest.arrays)} arrays, {total / 1e9:.3f} GB:")
+    for kind, (count, numel, nbytes) in kinds.items():
+        lines.append(f"  {kind:<28} {count:>6} arrays {numel:>15,} elements {nbytes / 1e9:>9.3f} GB")
+    lines.append("largest arrays:")
+    for nbytes, key, shape, dtype in sorted(sizes, reverse=True)[:5]:
+        lines.append(f"  {key:<60} {shape} {dtype} {nbytes / 1e6:.1f} MB")
+    for g, group in enumerate(manifest.groups):
+        hyper = {k: v for k, v in group.hyperparameters.items() if k in ("lr", "betas", "eps", "weight_decay")}
+        lines.append(f"param group {g}: {len(group.params)} parameters, {group.step} steps, {hyper}")
+    if manifest.aliases:
+        lines.append(f"tied: {manifest.aliases}")
+    return "\n".join(lines)
