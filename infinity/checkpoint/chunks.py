@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from infinity.checkpoint.zarr_store import ArrayMeta, write_chunk
+from infinity.checkpoint.chunk_io import ChunkIO
+from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_values, chunk_path
 from infinity.errors import CheckpointError
 from infinity.zero.collectives import Comm
 
@@ -52,6 +53,7 @@ class ChunkWriter:
     root: str
     specs: dict[str, ArraySpec]
     comm: Comm
+    io: ChunkIO
     written: list[str] = field(default_factory=list)  # this rank's files, for fsync
     bytes_written: int = 0
     _partial: dict[tuple[str, int], _Partial] = field(default_factory=dict)
@@ -87,8 +89,15 @@ class ChunkWriter:
             position += take
 
     def _write(self, key: str, meta: ArrayMeta, chunk: int, values: torch.Tensor) -> None:
-        self.written.append(write_chunk(self.root, key, meta, chunk, values))
-        self.bytes_written += meta.chunk_numel * meta.dtype.itemsize
+        check_chunk_values(key, meta, chunk, values)
+        path = chunk_path(self.root, key, meta, chunk)
+        self.io.write(path, values, meta.chunk_bytes)
+        self.written.append(path)
+        self.bytes_written += meta.chunk_bytes
+
+    def drain(self) -> None:
+        """The writes issued so far have landed: the memory they read may change hands."""
+        self.io.drain()
 
     def exchange(self) -> None:
         """Collective: pieces held here for chunks another rank writes go to it (every rank calls this at the same
@@ -109,6 +118,7 @@ class ChunkWriter:
                     self.put(key, start, values)
 
     def finish(self) -> None:
+        self.drain()
         if self._partial or self._outgoing:
             (key, chunk), partial = next(iter(self._partial.items())) if self._partial else ((self._outgoing[0][0], -1),
                                                                                            None)  # fmt: skip

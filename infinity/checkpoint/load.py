@@ -17,23 +17,25 @@ import random
 import numpy as np
 import torch
 
+from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.manifest import LATEST, Manifest
 from infinity.checkpoint.save import ENGINE_STATE, agree, barrier, check_tag, rng_path
 from infinity.checkpoint.state_map import BUFFERS, PARAMS, Block, Region, StateMap, overlaps, state_key
-from infinity.checkpoint.zarr_store import ArrayMeta, read_array_meta, read_range
+from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_file, chunk_spans, read_array_meta
 from infinity.errors import CheckpointError
 
 logger = logging.getLogger("infinity")
 
 
 class ArrayReader:
-    """Reads flat ranges of the checkpoint's arrays, each checked against the manifest on first use."""
+    """Reads flat ranges of the checkpoint's arrays, each checked against the manifest on first use, through
+    the I/O engine ([Note: chunk I/O] in chunk_io.py): ``read_into`` issues, ``drain`` waits."""
 
-    def __init__(self, folder: str, manifest: Manifest) -> None:
+    def __init__(self, folder: str, manifest: Manifest, io: ChunkIO) -> None:
         self.folder = folder
         self.manifest = manifest
+        self.io = io
         self._metas: dict[str, ArrayMeta] = {}
-        self.bytes_read = 0
 
     def meta(self, key: str) -> ArrayMeta:
         meta = self._metas.get(key)
@@ -52,13 +54,28 @@ class ArrayReader:
         self._metas[key] = meta
         return meta
 
-    def read(self, key: str, start: int, end: int) -> torch.Tensor:
-        self.bytes_read += (end - start) * self.meta(key).dtype.itemsize
-        return read_range(self.folder, key, self.meta(key), start, end)
+    def read_into(self, key: str, start: int, target: torch.Tensor) -> None:
+        """target (flat, contiguous, any dtype) <- elements [start, start + numel) of ``key``, once drained."""
+        meta = self.meta(key)
+        direct = target.dtype == meta.dtype and target.device.type == "cpu" and target.is_contiguous()
+        out = target if direct else torch.empty(target.numel(), dtype=meta.dtype)
+        size = meta.dtype.itemsize
+        spans = list(chunk_spans(meta, start, start + target.numel()))
+        for number, (index, lo, hi, c0) in enumerate(spans):
+            path = check_chunk_file(self.folder, key, meta, index)
+            last = number == len(spans) - 1
+            then = (lambda: target.copy_(out)) if last and not direct else None
+            self.io.read(path, out[lo - start : hi - start], (lo - c0) * size, then)
+
+    def drain(self) -> None:
+        self.io.drain()
 
     def whole(self, key: str) -> torch.Tensor:
         meta = self.meta(key)
-        return self.read(key, 0, meta.numel).view(meta.shape)
+        out = torch.empty(meta.shape, dtype=meta.dtype)
+        self.read_into(key, 0, out.view(-1))
+        self.drain()
+        return out
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
@@ -88,7 +105,17 @@ def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_s
             load_dir) else []  # fmt: skip
         raise CheckpointError(f"checkpoint {folder} does not exist; tags in {load_dir}: {found or 'none'}")
     manifest = Manifest.read(folder)
-    reader = ArrayReader(folder, manifest)
+    io = ChunkIO(engine.config.aio)
+    try:
+        return _load(engine, folder, manifest, io, comm, load_optimizer_states=load_optimizer_states,
+                     load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    finally:
+        io.close()
+
+
+def _load(engine, folder: str, manifest: Manifest, io: ChunkIO, comm, *, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, load_module_only: bool):  # fmt: skip
+    reader = ArrayReader(folder, manifest, io)
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                          rank=comm.rank)  # fmt: skip
     with_states = load_optimizer_states and not load_module_only
@@ -145,27 +172,27 @@ def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_
 
 def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[str, str], with_states: bool) -> None:
     if engine.stage3 is None:
-        with torch.no_grad():
-            for name, param in _whole_parameters(engine, state_map):
-                param.data.copy_(reader.whole(keys[PARAMS + name]).view(param.shape))
+        for name, param in _whole_parameters(engine, state_map):
+            reader.read_into(keys[PARAMS + name], 0, param.data.view(-1))
+        reader.drain()
     shards = engine.stage3.table.shards if engine.stage3 is not None else None
     for region in state_map.regions:
         if shards is not None:
             piece = shards.edit(region.piece, overwrite=True)
             for fragment in [*region.optimized, *region.others]:
                 first = fragment.offset - region.start
-                key = keys[PARAMS + fragment.name]
-                piece[first : first + fragment.numel].copy_(
-                    reader.read(key, fragment.param_start, fragment.param_start + fragment.numel)
-                )
+                reader.read_into(keys[PARAMS + fragment.name], fragment.param_start,
+                                 piece[first : first + fragment.numel])  # fmt: skip
+            reader.drain()
             shards.commit(region.piece)
         for block in state_map.blocks(region, dirty=True, with_states=with_states):
             _fill_block(block, region, reader, keys)
+            reader.drain()  # before the block's memory (a tile's segment) is given back
     if engine.stage3 is not None:
         engine.zero_optimizer._regather_persistent()
     with torch.no_grad():
         for name, buffer in state_map.buffers.items():
-            buffer.copy_(reader.whole(keys[BUFFERS + name]).view(buffer.shape))
+            buffer.copy_(reader.whole(keys[BUFFERS + name]))
     if with_states:
         state_map.set_group_steps([g.step for g in reader.manifest.groups], list(reader.manifest.scalar_keys))
 
@@ -195,17 +222,15 @@ def _whole_parameters(engine, state_map: StateMap):
 def _fill_block(block: Block, region: Region, reader: ArrayReader, keys: dict[str, str]) -> None:
     for fragment, lo, hi in overlaps(region.optimized, block.start, block.numel):
         start = fragment.param_start + lo - fragment.offset
-        end = start + hi - lo
         if block.master is not None:
-            master = reader.read(keys[PARAMS + fragment.name], start, end)
-            block.master[lo - block.start : hi - block.start].copy_(master)
+            reader.read_into(keys[PARAMS + fragment.name], start, block.master[lo - block.start : hi - block.start])
         for name, values in block.states.items():
             key = keys.get(state_key(name, fragment.name))
             target = values[lo - block.start : hi - block.start]
             if key is None:
                 target.zero_()  # a state the checkpoint has not got; only when no group had stepped
             else:
-                target.copy_(reader.read(key, start, end))
+                reader.read_into(key, start, target)
 
 
 def _load_hyperparameters(engine, state_map: StateMap, manifest: Manifest) -> None:

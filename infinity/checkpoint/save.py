@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.chunks import ChunkWriter
 from infinity.checkpoint.durable import publish_folder, sync_files, write_durably
 from infinity.checkpoint.manifest import LATEST, GroupEntry, Manifest, dtype_name, json_safe
@@ -97,9 +98,13 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
         for key, spec in state_map.specs.items():
             write_array_meta(tmp, key, spec.meta)
     barrier(comm)
-    writer = ChunkWriter(tmp, state_map.specs, comm)
-    _write_arrays(engine, state_map, writer)
-    writer.finish()
+    io = ChunkIO(engine.config.aio)
+    try:
+        writer = ChunkWriter(tmp, state_map.specs, comm, io)
+        _write_arrays(engine, state_map, writer)
+        writer.finish()
+    finally:
+        io.close()
     os.makedirs(os.path.dirname(rng_path(tmp, comm.rank)), exist_ok=True)
     torch.save(rng_state(), rng_path(tmp, comm.rank))
     written = [*writer.written, rng_path(tmp, comm.rank)]
@@ -124,7 +129,10 @@ def _write_arrays(engine, state_map: StateMap, writer: ChunkWriter) -> None:
     for region in state_map.regions:
         piece = None
         if shards is not None and (region.others or engine.zero_optimizer.tiled.masters is not None):
-            piece = shards.read(region.piece)  # parameters outside the optimizer; fp32 weights that are masters
+            # parameters outside the optimizer; fp32 weights that are masters: the piece itself when in memory
+            piece = shards.on_device(region.piece)
+            if piece is None:
+                piece = shards.read(region.piece)
         for fragment in region.others:
             first = fragment.offset - region.start
             writer.put(PARAMS + fragment.name, fragment.param_start, piece[first : first + fragment.numel])
@@ -138,6 +146,8 @@ def _write_arrays(engine, state_map: StateMap, writer: ChunkWriter) -> None:
                 writer.put(PARAMS + fragment.name, start, master)
                 for name, values in block.states.items():
                     writer.put(state_key(name, fragment.name), start, values[lo - block.start : hi - block.start])
+            writer.drain()  # the block's memory (a tile's segment) is given back next
+        writer.drain()
         if partitioned:
             writer.exchange()
     for name, param in state_map.replicated:

@@ -1,12 +1,13 @@
 """The on-disk format: a Zarr v3 store of uncompressed arrays, written and read by byte range.
 
 [Note: zarr layout]
-Every array is a Zarr v3 array (``zarr.json`` + one file per chunk, default chunk key encoding with "/", the
-little-endian "bytes" codec and nothing else). The chunk grid is regular and cuts only the first dimension: a chunk
-is ``chunk_rows`` whole rows, so it is one contiguous run of the array's flat (C-order) elements, and a chunk file is
+Every array is a Zarr v3 array (``zarr.json`` + one file per chunk beside it: the default chunk key encoding with
+the "." separator, so ``c.0.0`` and no folder per chunk; the little-endian "bytes" codec and nothing else). The
+chunk grid is regular and cuts only the first dimension into near-equal parts of at most CHUNK_BYTES: a chunk is
+``chunk_rows`` whole rows, so it is one contiguous run of the array's flat (C-order) elements, and a chunk file is
 exactly those elements' bytes (an edge chunk is padded with the fill value to the full chunk shape, as Zarr
 requires). That is why a rank can write a chunk from flat pieces and a reader can fetch any flat range with one
-``pread`` per chunk. Any Zarr v3 reader (zarr-python, tensorstore) opens the arrays; no library is needed here.
+read per chunk. Any Zarr v3 reader (zarr-python, tensorstore) opens the arrays; no library is needed here.
 
 bfloat16 has no Zarr v3 core data type: such arrays are stored as float32 (exact) and cast back on load.
 """
@@ -55,7 +56,9 @@ class ArrayMeta:
         if not shape:
             return cls((), dtype, 1)
         row_bytes = max(math.prod(shape[1:]) * dtype.itemsize, 1)
-        return cls(tuple(shape), dtype, max(1, min(shape[0], chunk_bytes // row_bytes)))
+        rows = max(shape[0], 1)
+        chunks = max(1, -(-rows * row_bytes // chunk_bytes))
+        return cls(tuple(shape), dtype, -(-rows // chunks))  # equal chunks: the edge one is padded by < chunks rows
 
     @property
     def numel(self) -> int:
@@ -80,7 +83,11 @@ class ArrayMeta:
     def chunk_key(self, index: int) -> str:
         if not self.shape:
             return "c"
-        return "c/" + "/".join([str(index)] + ["0"] * (len(self.shape) - 1))
+        return "c." + ".".join([str(index)] + ["0"] * (len(self.shape) - 1))
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_numel * self.dtype.itemsize
 
     def to_json(self) -> dict:
         fill = False if self.dtype == torch.bool else (0.0 if self.dtype.is_floating_point else 0)
@@ -90,7 +97,7 @@ class ArrayMeta:
             "shape": list(self.shape),
             "data_type": _ZARR_TYPES[self.dtype],
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": self._chunk_shape()}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
             "fill_value": fill,
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
             "attributes": {},
@@ -158,13 +165,35 @@ def _bytes_of(values: torch.Tensor) -> memoryview:
     return memoryview(values.contiguous().numpy()).cast("B")
 
 
-def write_chunk(root: str, key: str, meta: ArrayMeta, index: int, values: torch.Tensor) -> str:
-    """Writes chunk ``index`` (``values``: its elements, flat, the stored dtype; an edge chunk is padded here).
-    Returns the file's path."""
+def chunk_path(root: str, key: str, meta: ArrayMeta, index: int) -> str:
+    return os.path.join(root, key, meta.chunk_key(index))
+
+
+def check_chunk_values(key: str, meta: ArrayMeta, index: int, values: torch.Tensor) -> None:
     start, end = meta.chunk_range(index)
     if values.numel() != end - start or values.dtype != meta.dtype:
         raise ValueError(f"chunk {index} of {key}: got {values.numel()} x {values.dtype}, want {end - start}")
-    path = os.path.join(root, key, meta.chunk_key(index))
+
+
+def check_chunk_file(root: str, key: str, meta: ArrayMeta, index: int) -> str:
+    """The chunk file's path, once it is known to exist with the full chunk's size."""
+    path = chunk_path(root, key, meta, index)
+    try:
+        found = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"array {key!r}: chunk {meta.chunk_key(index)} is missing ({path})") from None
+    if found != meta.chunk_bytes:
+        raise CheckpointError(
+            f"array {key!r}: chunk {meta.chunk_key(index)} has {found} bytes, expected {meta.chunk_bytes} ({path})"
+        )
+    return path
+
+
+def write_chunk(root: str, key: str, meta: ArrayMeta, index: int, values: torch.Tensor) -> str:
+    """Writes chunk ``index`` (``values``: its elements, flat, the stored dtype; an edge chunk is padded here),
+    synchronously, through the page cache (checkpoint/chunk_io.py is the engine's fast path). Returns the path."""
+    check_chunk_values(key, meta, index, values)
+    path = chunk_path(root, key, meta, index)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -187,6 +216,15 @@ def _write_all(fd: int, data: memoryview, path: str) -> None:
                                   "save_dir") from None  # fmt: skip
 
 
+def chunk_spans(meta: ArrayMeta, start: int, end: int):
+    """(chunk index, lo, hi, chunk start): the parts of flat range [start, end) in each chunk."""
+    if end <= start:
+        return
+    for index in range(start // meta.chunk_numel, (end - 1) // meta.chunk_numel + 1):
+        c0, c1 = meta.chunk_range(index)
+        yield index, max(start, c0), min(end, c1), c0
+
+
 def read_range(root: str, key: str, meta: ArrayMeta, start: int, end: int) -> torch.Tensor:
     """Flat elements [start, end) of the array, one pread per chunk; a missing or short chunk is a
     CheckpointError naming its file."""
@@ -195,23 +233,10 @@ def read_range(root: str, key: str, meta: ArrayMeta, start: int, end: int) -> to
         return out
     view = _bytes_of(out)
     size = meta.dtype.itemsize
-    first = start // meta.chunk_numel
-    last = (end - 1) // meta.chunk_numel
-    for index in range(first, last + 1):
-        c0, c1 = meta.chunk_range(index)
-        lo, hi = max(start, c0), min(end, c1)
-        path = os.path.join(root, key, meta.chunk_key(index))
+    for index, lo, hi, c0 in chunk_spans(meta, start, end):
+        path = check_chunk_file(root, key, meta, index)
+        fd = os.open(path, os.O_RDONLY)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(f"array {key!r}: chunk {meta.chunk_key(index)} is missing ({path})") from None
-        try:
-            expected = meta.chunk_numel * size
-            found = os.fstat(fd).st_size
-            if found != expected:
-                raise CheckpointError(
-                    f"array {key!r}: chunk {meta.chunk_key(index)} has {found} bytes, expected {expected} ({path})"
-                )
             target = view[(lo - start) * size : (hi - start) * size]
             got = os.preadv(fd, [target], (lo - c0) * size)
             if got != len(target):

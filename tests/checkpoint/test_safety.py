@@ -81,16 +81,16 @@ def test_nothing_to_load_is_none_and_a_missing_tag_is_named(saved, tmp_path):
 
 def test_a_deleted_chunk_is_named(saved, tmp_path):
     folder, tag = _copy(saved, tmp_path)
-    os.remove(os.path.join(tag, "optimizer", "exp_avg", "head.weight", "c", "0", "0"))
+    os.remove(os.path.join(tag, "optimizer", "exp_avg", "head.weight", "c.0.0"))
     engine = _engine()
-    with pytest.raises(CheckpointError, match=r"optimizer/exp_avg/head.weight.*chunk c/0/0 is missing"):
+    with pytest.raises(CheckpointError, match=r"optimizer/exp_avg/head.weight.*chunk c.0.0 is missing"):
         engine.load_checkpoint(folder)
     engine.destroy()
 
 
 def test_a_truncated_chunk_is_named(saved, tmp_path):
     folder, tag = _copy(saved, tmp_path)
-    path = os.path.join(tag, "params", "embed.weight", "c", "0", "0")
+    path = os.path.join(tag, "params", "embed.weight", "c.0.0")
     os.truncate(path, os.path.getsize(path) - 4)
     engine = _engine()
     with pytest.raises(CheckpointError, match=r"params/embed.weight.*has \d+ bytes, expected"):
@@ -159,7 +159,7 @@ _CHILD = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    import infinity.checkpoint.chunks as chunks
+    import infinity.checkpoint.chunk_io as chunk_io
     import infinity.checkpoint.save as save
     from tests.checkpoint.test_safety import _engine, _train
 
@@ -168,13 +168,14 @@ _CHILD = textwrap.dedent(
     engine.save_checkpoint({folder!r}, tag="good")
     _train(engine, 1, first=1)
     if {point!r} == "chunks":
-        original, count = chunks.write_chunk, [0]
-        def dying(*args, **kwargs):
+        original, count = chunk_io.ChunkIO.write, [0]
+        def dying(self, *args, **kwargs):
             count[0] += 1
             if count[0] == 5:
+                self.drain()  # four chunks are on disk
                 os.kill(os.getpid(), signal.SIGKILL)
-            return original(*args, **kwargs)
-        chunks.write_chunk = dying
+            return original(self, *args, **kwargs)
+        chunk_io.ChunkIO.write = dying
     else:
         save.write_durably = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
     engine.save_checkpoint({folder!r}, tag="doomed")
