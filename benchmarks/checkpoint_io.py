@@ -28,10 +28,9 @@ system (syncfs), so another process's dirty pages on the same disk count against
 
 GB/s is the state's bytes (its tensors' bytes, the same for both sides) over the median seconds, so a ratio
 of GB/s is a ratio of times. The bytes on disk are reported too: the tag folder (arrays, Zarr metadata, manifest,
-RNG, engine state; Zarr pads each array's last chunk to the full chunk, so arrays of a little over one chunk can
-make the folder much larger than the state: ``bytes_over_state``) and the torch files (all ranks), with
-``save_disk_gbps``, the tag folder's bytes over the save's seconds; the engine's GB/s measured by its folder would
-credit it with writing the padding.
+RNG, engine state; Zarr pads each array's last chunk to the full chunk, by less than one row per chunk since the
+chunks of an array are near-equal: ``bytes_over_state``) and the torch files (all ranks), with ``save_disk_gbps``,
+the tag folder's bytes over the save's seconds.
 
 Targets (world size 1): save and load throughput >= 1.5x torch.save / torch.load (both save ratios are reported:
 against plain torch.save, as the target says, and against torch.save + fsync, the durable equivalent); the

@@ -201,6 +201,10 @@ def _check_states(engine, state_map: StateMap, manifest: Manifest, folder: str) 
     """The checkpoint's optimizer matches this one: as many param groups, every state it keeps (the user's
     optimizer gets zero states to load into when it has not stepped yet)."""
     steps = [g.step for g in manifest.groups]
+    saved, mine = manifest.extra.get("optimizer"), type(engine.zero_optimizer.optimizer).__name__
+    if saved is not None and saved != mine:
+        raise CheckpointError(f"{folder} holds the states of a {saved} optimizer, this run's is a {mine}; pass "
+                              "load_optimizer_states=False to load the weights only")  # fmt: skip
     if len(steps) != len(engine.zero_optimizer.param_groups):
         raise CheckpointError(f"{folder} has {len(steps)} optimizer param groups, the optimizer has "
                               f"{len(engine.zero_optimizer.param_groups)}; pass load_optimizer_states=False "

@@ -56,7 +56,8 @@ class SafetensorsWriter:
 
     def write(self, name: str, values: torch.Tensor, first: int = 0) -> None:
         entry, start = self.offsets[name]
-        values = values.detach().reshape(-1).to(device="cpu", dtype=entry.dtype).contiguous()
+        # a copy: numpy's view of a tensor's storage makes it non-resizable (stage 3 frees its units that way)
+        values = values.detach().reshape(-1).to(device="cpu", dtype=entry.dtype, copy=True)
         if first + values.numel() > math.prod(entry.shape):
             raise ValueError(f"{name}: elements {first}..{first + values.numel()} past its {entry.shape}")
         data = memoryview(values.view(torch.uint8).numpy())

@@ -191,7 +191,7 @@ def _manifest(engine, state_map: StateMap) -> Manifest:
         global_steps=engine.global_steps, micro_steps=engine.micro_steps, skipped_steps=engine.skipped_steps,
         arrays=arrays, aliases=state_map.aliases, groups=groups, state_names=list(state_map.state_names),
         scalar_keys=state_map.scalar_keys(), config=json_safe_config(engine.raw_config),
-        library_version=__version__,
+        library_version=__version__, extra={"optimizer": type(engine.zero_optimizer.optimizer).__name__},
     )  # fmt: skip
 
 

@@ -136,6 +136,22 @@ def test_a_model_without_the_parameters_is_refused_before_anything_changes(saved
     engine.destroy()
 
 
+def test_another_optimizer_is_refused_unless_only_the_weights_load(saved):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = engine_config(stage=2, micro=4, accumulation=1, lr=1e-2, clip=0.0)
+    engine, *_ = infinity.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    with pytest.raises(CheckpointError, match="AdamW optimizer, this run's is a SGD"):
+        engine.load_checkpoint(saved[0])
+    engine.load_checkpoint(saved[0], load_optimizer_states=False)
+    reference = _engine()
+    reference.load_checkpoint(saved[0])
+    for mine, theirs in zip(model.parameters(), reference.module.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    reference.destroy()
+    engine.destroy()
+
+
 def test_save_inside_gradient_accumulation_is_refused(tmp_path):
     engine = _engine(accumulation=2)
     inputs, target = global_batch("transformer", 0, 4)

@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import infinity
 import infinity.zero
@@ -453,7 +454,7 @@ def test_parameters_on_nvme_with_another_optimizer_evaluate_and_save(nvme, tmp_p
             assert engine.stage3.table.shards.home.value == "nvme"
             assert engine.tier_stats()["parameters"]["traffic"]["nvme_read"]["bytes"] > 0
         engine.destroy()
-        saved = torch.load(tmp_path / f"saved-{params}" / "pytorch_model.bin")
+        saved = load_file(tmp_path / f"saved-{params}" / "model.safetensors")
         results[params] = (losses, evaluation, saved)
     (want_losses, want_eval, want_saved), (losses, evaluation, saved) = results["none"], results["nvme"]
     assert losses == want_losses and torch.equal(evaluation, want_eval)
