@@ -84,6 +84,9 @@ class _Collect:
     def exchange(self) -> None:
         pass  # each rank keeps its own ranges: no chunk is assembled
 
+    def drain(self) -> None:
+        pass  # copies are taken in put(): nothing in flight
+
     def state(self) -> dict:
         """{"module": {name: tensor}, "optimizer": {state: {name: tensor}}, "buffers": {...}, "starts": {...}}: whole
         tensors in their shapes where this rank holds all of an array, else its flat range from ``starts[key]``."""
@@ -113,7 +116,7 @@ def baseline_state(engine) -> dict:
 
     comm = engine.comm
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
-                         rank=comm.rank)  # fmt: skip
+                         rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
     collect = _Collect(state_map.specs, comm.rank)
     _write_arrays(engine, state_map, collect)
     return collect.state()

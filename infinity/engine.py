@@ -174,23 +174,31 @@ class _TrainingDataLoader(torch.utils.data.DataLoader):
 
     _consumed = 0  # batches of the current pass handed out (including those a resumed pass skipped)
     _in_pass = False
+    _passes = 0  # which pass is the current one (a pass given up early ends when its iterator is dropped)
 
     def __iter__(self):
         self.sampler.start_pass()
+        self._passes += 1
+        mine = self._passes
         self._in_pass = True
         self._consumed = self.sampler.skipped // self.batch_size
-        for batch in super().__iter__():
-            self._consumed += 1
-            yield batch
+        try:
+            for batch in super().__iter__():
+                self._consumed += 1
+                yield batch
+        finally:
+            if self._passes == mine:  # exhausted, or the loop broke out and dropped it: the next iter() is a new epoch
+                self._in_pass = False
 
     def position(self) -> dict:
-        """Where the training data stands: the epoch and the batches of it consumed."""
+        """Where the training data stands: the epoch, the batches of it consumed, the loader's generator."""
         return {"epoch": self.sampler.epoch, "batches": self._consumed, "in_pass": self._in_pass,
-                "next_epoch": self.sampler._next_epoch}  # fmt: skip
+                "next_epoch": self.sampler._next_epoch, "generator": self.generator.get_state()}  # fmt: skip
 
     def resume(self, position: dict) -> None:
         """The next iter() continues the saved pass after its consumed batches (or starts the next epoch when
         the pass was over)."""
+        self.generator.set_state(position["generator"])
         if not position["in_pass"]:
             self.sampler._next_epoch = position["next_epoch"]
         elif position["batches"] >= len(self):
@@ -285,6 +293,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_started = time.perf_counter()
+        self._backward_pending = False  # a backward whose gradients no step has taken yet
         self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
 
@@ -425,6 +434,7 @@ class Engine(nn.Module):
         self.zero_optimizer.begin_backward(
             scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale
         )
+        self._backward_pending = True
         scaled.backward()
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
@@ -438,6 +448,7 @@ class Engine(nn.Module):
         """The optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         start = time.perf_counter()
         if self.is_gradient_accumulation_boundary():
+            self._backward_pending = False
             result = self.zero_optimizer.step(
                 loss_scale=self.loss_scaler.scale,
                 clip_norm=self.config.gradient_clipping,
@@ -533,11 +544,12 @@ class Engine(nn.Module):
         from infinity.checkpoint.save import save_engine
 
         self.distributed.check_call("save_checkpoint")
-        if self.micro_steps % self.config.gradient_accumulation_steps != 0:
+        if self.micro_steps % self.config.gradient_accumulation_steps != 0 or self._backward_pending:
             raise CheckpointError(
                 f"save_checkpoint called in the middle of gradient accumulation (micro-step {self.micro_steps}, "
-                f"gradient_accumulation_steps {self.config.gradient_accumulation_steps}): the gradients "
-                "accumulated so far are not saved. Save right after the engine.step() that ends a boundary"
+                f"gradient_accumulation_steps {self.config.gradient_accumulation_steps}, a backward not yet "
+                "stepped): the gradients accumulated so far are not saved. Save right after the engine.step() "
+                "that ends a boundary"
             )
         self.last_checkpoint = save_engine(self, save_dir, tag, client_state, save_latest)
         return True
@@ -574,7 +586,10 @@ class Engine(nn.Module):
         sampler = _EpochSampler(
             training_data, num_replicas=self.comm.world_size, rank=self.comm.rank, shuffle=True, seed=0, drop_last=True
         )
-        return _TrainingDataLoader(training_data, sampler=sampler, **batch)
+        # Its own generator (seeded from the global one, once): each pass draws its workers' base seed from it, not
+        # from the global RNG, so a checkpoint's RNG state resumes dropout and the like exactly.
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+        return _TrainingDataLoader(training_data, sampler=sampler, generator=generator, **batch)
 
     def destroy(self) -> None:
         """Collective (every rank calls it): finishes what is in flight, removes the engine's hooks, and tears

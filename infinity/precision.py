@@ -68,6 +68,7 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         return {
+            "dynamic": self.dynamic,
             "scale": self.scale,
             "hysteresis_left": self._hysteresis_left,
             "iteration": self._iteration,

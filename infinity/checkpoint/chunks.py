@@ -22,6 +22,30 @@ from infinity.errors import CheckpointError
 from infinity.zero.collectives import Comm
 
 
+def announced(error: BaseException) -> BaseException:
+    """Marks an error every rank knows about (so none waits for the others in a collective any more)."""
+    error.announced = True
+    return error
+
+
+def agree_ok(comm: Comm, error: BaseException | None, what: str) -> None:
+    """Collective: every rank says whether it failed; if any did, every rank raises (a CheckpointError naming the
+    failed rank, or its own error). So one rank's failure never leaves the others waiting in a collective."""
+    if error is not None and getattr(error, "announced", False):
+        raise error
+    if not comm.active:
+        if error is not None:
+            raise error
+        return
+    gathered: list = [None] * comm.world_size
+    dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}", group=comm.group)
+    if error is not None:
+        raise announced(error)
+    failed = [(rank, detail) for rank, detail in enumerate(gathered) if detail is not None]
+    if failed:
+        raise announced(CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}"))
+
+
 @dataclass(frozen=True, slots=True)
 class ArraySpec:
     """An array of the checkpoint and who holds it ([Note: chunk ownership])."""
@@ -99,17 +123,25 @@ class ChunkWriter:
         """The writes issued so far have landed: the memory they read may change hands."""
         self.io.drain()
 
-    def exchange(self) -> None:
+    def exchange(self, error: BaseException | None = None) -> None:
         """Collective: pieces held here for chunks another rank writes go to it (every rank calls this at the same
-        points: after each bucket or unit)."""
+        points: after each bucket or unit). A rank that failed passes its ``error`` instead: every rank then raises
+        (the error is ``announced``: nobody waits for it in a later collective)."""
         if not self.comm.active:
             if self._outgoing:
                 raise CheckpointError(f"array {self._outgoing[0][0]!r}: pieces for another rank at world size 1")
             return
         gathered: list = [None] * self.comm.world_size
-        dist.all_gather_object(gathered, self._outgoing, group=self.comm.group)
+        mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", self._outgoing)
+        dist.all_gather_object(gathered, mine, group=self.comm.group)
         self._outgoing = []
-        for rank, pieces in enumerate(gathered):
+        failed = [(rank, detail) for rank, (status, detail) in enumerate(gathered) if status == "error"]
+        if failed:
+            if error is not None:
+                error.announced = True
+                raise error
+            raise announced(CheckpointError(f"rank {failed[0][0]} failed: {failed[0][1]}"))
+        for rank, (_, pieces) in enumerate(gathered):
             if rank == self.comm.rank:
                 continue
             for key, start, values in pieces:

@@ -12,14 +12,19 @@ import uuid
 _libc = None
 
 
-def _syncfs():
+def _libc_function(name: str):
+    """A libc function by name (Linux), or None where there is no such function."""
     global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         except OSError:
             _libc = False
-    return getattr(_libc, "syncfs", None) if _libc else None
+    return getattr(_libc, name, None) if _libc else None
+
+
+def _syncfs():
+    return _libc_function("syncfs")
 
 
 def sync_files(folder: str, paths: list[str]) -> None:
@@ -61,15 +66,33 @@ def write_durably(path: str, text: str) -> None:
     fsync_dir(folder)
 
 
+RENAME_EXCHANGE = 2  # renameat2's flag (Linux >= 3.15): swap two paths atomically
+AT_FDCWD = -100
+
+
+def _exchange(first: str, second: str) -> bool:
+    renameat2 = _libc_function("renameat2")
+    if renameat2 is None:
+        return False
+    return renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE) == 0
+
+
 def publish_folder(tmp: str, final: str) -> None:
-    """Renames the finished ``tmp`` folder to ``final``. An existing ``final`` (the same tag saved again) is moved
-    aside first and removed only once the new one is in place."""
+    """Renames the finished ``tmp`` folder to ``final``. An existing ``final`` (the same tag saved again) is
+    swapped with it atomically (renameat2) and the old one removed, so ``final`` is never missing; where the
+    kernel cannot swap, the old one is moved aside to ``final.old-*`` first, and a load finds it there if a crash
+    comes between the two renames (load.py)."""
     parent = os.path.dirname(os.path.abspath(final))
     old = None
     if os.path.exists(final):
-        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(final, old)
-    os.rename(tmp, final)
+        if _exchange(tmp, final):
+            old = tmp  # now holds the previous checkpoint
+        else:
+            old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+    else:
+        os.rename(tmp, final)
     fsync_dir(parent)
     if old is not None:
         with contextlib.suppress(OSError):

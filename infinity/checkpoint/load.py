@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from infinity.checkpoint.chunk_io import ChunkIO
-from infinity.checkpoint.manifest import LATEST, Manifest
-from infinity.checkpoint.save import ENGINE_STATE, agree, barrier, check_tag, rng_path
+from infinity.checkpoint.chunks import agree_ok
+from infinity.checkpoint.manifest import LATEST, MANIFEST, Manifest
+from infinity.checkpoint.save import ENGINE_STATE, agree, check_tag, rng_path
 from infinity.checkpoint.state_map import BUFFERS, PARAMS, Block, Region, StateMap, overlaps, state_key
 from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_file, chunk_spans, read_array_meta
 from infinity.errors import CheckpointError
@@ -36,6 +37,7 @@ class ArrayReader:
         self.manifest = manifest
         self.io = io
         self._metas: dict[str, ArrayMeta] = {}
+        self._checked: set[tuple[str, int]] = set()
 
     def meta(self, key: str) -> ArrayMeta:
         meta = self._metas.get(key)
@@ -70,6 +72,14 @@ class ArrayReader:
     def drain(self) -> None:
         self.io.drain()
 
+    def check(self, key: str, start: int, numel: int) -> None:
+        """The chunk files a read of [start, start + numel) needs exist, whole (before anything is loaded)."""
+        meta = self.meta(key)
+        for index, *_ in chunk_spans(meta, start, start + numel):
+            if (key, index) not in self._checked:
+                check_chunk_file(self.folder, key, meta, index)
+                self._checked.add((key, index))
+
     def whole(self, key: str) -> torch.Tensor:
         meta = self.meta(key)
         out = torch.empty(meta.shape, dtype=meta.dtype)
@@ -88,6 +98,22 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
         return check_tag(f.read().strip())
 
 
+def _tag_folder(load_dir: str, tag: str) -> str:
+    folder = os.path.join(load_dir, tag)
+    if os.path.isdir(folder):
+        return folder
+    # A save of the same tag killed between moving the old folder aside and renaming the new one in (only where
+    # the kernel cannot swap them: durable.publish_folder): the old one is complete.
+    aside = sorted(n for n in os.listdir(load_dir) if n.startswith(f"{tag}.old-")) if os.path.isdir(load_dir) else []
+    for name in aside:
+        if os.path.exists(os.path.join(load_dir, name, MANIFEST)):
+            logger.warning("load_checkpoint: %s is missing; loading %s, the same tag's previous save", folder, name)
+            return os.path.join(load_dir, name)
+    tags = sorted(n for n in os.listdir(load_dir) if os.path.exists(os.path.join(load_dir, n, MANIFEST))) if (
+        os.path.isdir(load_dir)) else []  # fmt: skip
+    raise CheckpointError(f"checkpoint {folder} does not exist; complete tags in {load_dir}: {tags or 'none'}")
+
+
 def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
                 load_module_only: bool):  # fmt: skip
     """Returns (path of the tag loaded, client_state), or (None, None) when there is no ``latest`` (DeepSpeed's
@@ -99,11 +125,7 @@ def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_s
         logger.warning("load_checkpoint: %s has no `latest` file and no tag was given; nothing loaded",
                        os.path.join(load_dir, LATEST))  # fmt: skip
         return None, None
-    folder = os.path.join(load_dir, tag)
-    if not os.path.isdir(folder):
-        found = sorted(n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))) if os.path.isdir(
-            load_dir) else []  # fmt: skip
-        raise CheckpointError(f"checkpoint {folder} does not exist; tags in {load_dir}: {found or 'none'}")
+    folder = _tag_folder(load_dir, tag)
     manifest = Manifest.read(folder)
     io = ChunkIO(engine.config.aio)
     try:
@@ -117,20 +139,51 @@ def _load(engine, folder: str, manifest: Manifest, io: ChunkIO, comm, *, load_op
           load_lr_scheduler_states: bool, load_module_only: bool):  # fmt: skip
     reader = ArrayReader(folder, manifest, io)
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
-                         rank=comm.rank)  # fmt: skip
+                         rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
     with_states = load_optimizer_states and not load_module_only
-    if with_states:
-        _check_states(engine, state_map, manifest, folder)
-    keys = _key_map(state_map, manifest, reader, with_states)
-    _load_arrays(engine, state_map, reader, keys, with_states)
-    if with_states:
-        _load_hyperparameters(engine, state_map, manifest)
+    error = None
+    try:  # every check first, on every rank: nothing has changed when one fails
+        if with_states:
+            _check_states(engine, state_map, manifest, folder)
+        keys = _key_map(state_map, manifest, reader, with_states)
+        for key, start, numel in _planned_reads(engine, state_map, keys, with_states):
+            reader.check(key, start, numel)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
+        error = e
+    agree_ok(comm, error, "load_checkpoint")
     client_state: dict = {}
-    if not load_module_only:
-        client_state = _load_engine_state(engine, folder, load_lr_scheduler_states)
-        _load_rng(folder, comm.rank)
-    barrier(comm)
+    try:
+        _load_arrays(engine, state_map, reader, keys, with_states)
+        if with_states:
+            _load_hyperparameters(engine, state_map, manifest)
+        if not load_module_only:
+            client_state = _load_engine_state(engine, folder, load_lr_scheduler_states)
+            _load_rng(folder, comm.rank)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree_ok(comm, error, "load_checkpoint")
+    if engine.stage3 is not None:
+        engine.zero_optimizer._regather_persistent()
     return folder, client_state
+
+
+def _planned_reads(engine, state_map: StateMap, keys: dict[str, str], with_states: bool):
+    """(key, first element, count) of every read the load will make on this rank."""
+    if engine.stage3 is None:
+        for name, param in _whole_parameters(engine, state_map):
+            yield keys[PARAMS + name], 0, param.numel()
+    for region in state_map.regions:
+        for fragment in [*region.optimized, *region.others]:
+            yield keys[PARAMS + fragment.name], fragment.param_start, fragment.numel
+        if with_states:
+            for fragment in region.optimized:
+                for state in state_map.state_names:
+                    key = keys.get(state_key(state, fragment.name))
+                    if key is not None:
+                        yield key, fragment.param_start, fragment.numel
+    for name in state_map.buffers:
+        yield keys[BUFFERS + name], 0, state_map.specs[BUFFERS + name].meta.numel
 
 
 def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_states: bool) -> dict[str, str]:
@@ -145,6 +198,9 @@ def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_
             keys[key] = key
             if key not in manifest.arrays:
                 missing.append(key)
+            elif list(reader.meta(key).shape) != list(spec.meta.shape):
+                raise CheckpointError(f"{reader.folder}: buffer {key!r} has shape {list(reader.meta(key).shape)} in "
+                                      f"the checkpoint but {list(spec.meta.shape)} in the model")  # fmt: skip
             continue
         if not key.startswith(PARAMS):
             continue
@@ -171,6 +227,8 @@ def _key_map(state_map: StateMap, manifest: Manifest, reader: ArrayReader, with_
 
 
 def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[str, str], with_states: bool) -> None:
+    if with_states:
+        state_map.make_states(list(reader.manifest.state_names), [g.step for g in reader.manifest.groups])
     if engine.stage3 is None:
         for name, param in _whole_parameters(engine, state_map):
             reader.read_into(keys[PARAMS + name], 0, param.data.view(-1))
@@ -188,8 +246,6 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
         for block in state_map.blocks(region, dirty=True, with_states=with_states):
             _fill_block(block, region, reader, keys)
             reader.drain()  # before the block's memory (a tile's segment) is given back
-    if engine.stage3 is not None:
-        engine.zero_optimizer._regather_persistent()
     with torch.no_grad():
         for name, buffer in state_map.buffers.items():
             buffer.copy_(reader.whole(keys[BUFFERS + name]))
@@ -209,7 +265,7 @@ def _check_states(engine, state_map: StateMap, manifest: Manifest, folder: str) 
         raise CheckpointError(f"{folder} has {len(steps)} optimizer param groups, the optimizer has "
                               f"{len(engine.zero_optimizer.param_groups)}; pass load_optimizer_states=False "
                               "to load the weights only")  # fmt: skip
-    state_map.ensure_states(list(manifest.state_names), steps)
+    state_map.declare_states(list(manifest.state_names))
     absent = [s for s in state_map.state_names if s not in manifest.state_names]
     if absent and any(steps):
         raise CheckpointError(f"{folder} has no optimizer state {absent} (saved: {manifest.state_names}); was it "
@@ -237,10 +293,17 @@ def _fill_block(block: Block, region: Region, reader: ArrayReader, keys: dict[st
                 reader.read_into(key, start, target)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _load_hyperparameters(engine, state_map: StateMap, manifest: Manifest) -> None:
+    """The numbers of each param group (lr, betas, eps, weight_decay, ...), as the saved run had them; flags that
+    choose an implementation (fused, foreach, capturable, ...) stay this run's."""
     for group, entry in zip(engine.zero_optimizer.param_groups, manifest.groups, strict=True):
         for key, value in entry.hyperparameters.items():
-            if key in group and value is not None:
+            numbers = isinstance(value, list) and value and all(_is_number(v) for v in value)
+            if key in group and (_is_number(value) or numbers):
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
@@ -255,7 +318,12 @@ def _load_engine_state(engine, folder: str, load_lr_scheduler_states: bool) -> d
     engine.global_steps = state["global_steps"]
     engine.micro_steps = state["micro_steps"]
     engine.skipped_steps = state["skipped_steps"]
-    engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    saved_scaler = state["loss_scaler"]
+    if engine.loss_scaler.dynamic and saved_scaler.get("dynamic"):
+        engine.loss_scaler.load_state_dict(saved_scaler)  # both fp16 with dynamic scaling: continue its schedule
+    elif saved_scaler.get("scale", 1.0) != engine.loss_scaler.scale:
+        logger.info("load_checkpoint: the loss scale comes from this run's config (%g), not the checkpoint (%g)",
+                    engine.loss_scaler.scale, saved_scaler.get("scale", 1.0))  # fmt: skip
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     loader = engine.training_dataloader

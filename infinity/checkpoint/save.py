@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from infinity.checkpoint.chunk_io import ChunkIO
-from infinity.checkpoint.chunks import ChunkWriter
+from infinity.checkpoint.chunks import ChunkWriter, agree_ok
 from infinity.checkpoint.durable import publish_folder, sync_files, write_durably
 from infinity.checkpoint.manifest import LATEST, GroupEntry, Manifest, dtype_name, json_safe
 from infinity.checkpoint.state_map import PARAMS, StateMap, overlaps, state_key
@@ -85,41 +85,59 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
-                         rank=comm.rank)  # fmt: skip
-    if comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)  # an earlier save of this tag died part way
-        write_group(tmp)
-        for prefix in {key.rsplit("/", 1)[0] for key in state_map.specs}:
-            parts = prefix.split("/")
-            for depth in range(1, len(parts) + 1):
-                write_group(tmp, "/".join(parts[:depth]))
-        for key, spec in state_map.specs.items():
-            write_array_meta(tmp, key, spec.meta)
-    barrier(comm)
-    io = ChunkIO(engine.config.aio)
+                         rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
+    error = None
     try:
-        writer = ChunkWriter(tmp, state_map.specs, comm, io)
-        _write_arrays(engine, state_map, writer)
-        writer.finish()
-    finally:
-        io.close()
-    os.makedirs(os.path.dirname(rng_path(tmp, comm.rank)), exist_ok=True)
-    torch.save(rng_state(), rng_path(tmp, comm.rank))
-    written = [*writer.written, rng_path(tmp, comm.rank)]
-    if comm.rank == 0:
-        torch.save(_engine_state(engine, client_state), os.path.join(tmp, ENGINE_STATE))
-        written.append(os.path.join(tmp, ENGINE_STATE))
-    sync_files(tmp, written)
-    barrier(comm)  # every rank's part is on disk
-    if comm.rank == 0:
-        _manifest(engine, state_map).write(tmp)
-        publish_folder(tmp, final)
-        if save_latest:
-            write_durably(os.path.join(save_dir, LATEST), tag)
-    barrier(comm)
+        if comm.rank == 0:
+            _create(tmp, save_dir, state_map)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
+        error = e
+    agree_ok(comm, error, "save_checkpoint")
+    writer = None
+    try:
+        io = ChunkIO(engine.config.aio)
+        try:
+            writer = ChunkWriter(tmp, state_map.specs, comm, io)
+            _write_arrays(engine, state_map, writer)
+            writer.finish()
+        finally:
+            io.close()
+        os.makedirs(os.path.dirname(rng_path(tmp, comm.rank)), exist_ok=True)
+        torch.save(rng_state(), rng_path(tmp, comm.rank))
+        written = [*writer.written, rng_path(tmp, comm.rank)]
+        if comm.rank == 0:
+            torch.save(_engine_state(engine, client_state), os.path.join(tmp, ENGINE_STATE))
+            written.append(os.path.join(tmp, ENGINE_STATE))
+        sync_files(tmp, written)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree_ok(comm, error, "save_checkpoint")  # every rank's part is on disk
+    try:
+        if comm.rank == 0:
+            _manifest(engine, state_map).write(tmp)
+            publish_folder(tmp, final)
+            if save_latest:
+                write_durably(os.path.join(save_dir, LATEST), tag)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = e
+    agree_ok(comm, error, "save_checkpoint")
     return SaveStats(time.perf_counter() - started, writer.bytes_written)
+
+
+def _create(tmp: str, save_dir: str, state_map: StateMap) -> None:
+    """Rank 0: the temporary tag folder with the Zarr groups and every array's metadata."""
+    os.makedirs(save_dir, exist_ok=True)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)  # an earlier save of this tag died part way
+    write_group(tmp)
+    for prefix in {key.rsplit("/", 1)[0] for key in state_map.specs}:
+        parts = prefix.split("/")
+        for depth in range(1, len(parts) + 1):
+            write_group(tmp, "/".join(parts[:depth]))
+    for key, spec in state_map.specs.items():
+        write_array_meta(tmp, key, spec.meta)
 
 
 def _write_arrays(engine, state_map: StateMap, writer: ChunkWriter) -> None:
@@ -127,33 +145,42 @@ def _write_arrays(engine, state_map: StateMap, writer: ChunkWriter) -> None:
     partitioned = any(spec.owners is not None for spec in state_map.specs.values())
     shards = engine.stage3.table.shards if engine.stage3 is not None else None
     for region in state_map.regions:
-        piece = None
-        if shards is not None and (region.others or engine.zero_optimizer.tiled.masters is not None):
-            # parameters outside the optimizer; fp32 weights that are masters: the piece itself when in memory
-            piece = shards.on_device(region.piece)
-            if piece is None:
-                piece = shards.read(region.piece)
-        for fragment in region.others:
-            first = fragment.offset - region.start
-            writer.put(PARAMS + fragment.name, fragment.param_start, piece[first : first + fragment.numel])
-        for block in state_map.blocks(region, dirty=False):
-            for fragment, lo, hi in overlaps(region.optimized, block.start, block.numel):
-                start = fragment.param_start + lo - fragment.offset
-                if block.master is not None:
-                    master = block.master[lo - block.start : hi - block.start]
-                else:
-                    master = piece[lo - region.start : hi - region.start]
-                writer.put(PARAMS + fragment.name, start, master)
-                for name, values in block.states.items():
-                    writer.put(state_key(name, fragment.name), start, values[lo - block.start : hi - block.start])
-            writer.drain()  # the block's memory (a tile's segment) is given back next
-        writer.drain()
+        try:
+            _write_region(engine, state_map, writer, region, shards)
+        except Exception as e:
+            if partitioned:
+                writer.exchange(error=e)  # the others wait in this exchange: they raise too
+            raise
         if partitioned:
             writer.exchange()
     for name, param in state_map.replicated:
         writer.put(PARAMS + name, 0, param.detach())
     for name, buffer in state_map.buffers.items():
         writer.put("buffers/" + name, 0, buffer.detach())
+
+
+def _write_region(engine, state_map: StateMap, writer: ChunkWriter, region, shards) -> None:
+    piece = None
+    if shards is not None and (region.others or engine.zero_optimizer.tiled.masters is not None):
+        # parameters outside the optimizer; fp32 weights that are masters: the piece itself when in memory
+        piece = shards.on_device(region.piece)
+        if piece is None:
+            piece = shards.read(region.piece)
+    for fragment in region.others:
+        first = fragment.offset - region.start
+        writer.put(PARAMS + fragment.name, fragment.param_start, piece[first : first + fragment.numel])
+    for block in state_map.blocks(region, dirty=False):
+        for fragment, lo, hi in overlaps(region.optimized, block.start, block.numel):
+            start = fragment.param_start + lo - fragment.offset
+            if block.master is not None:
+                master = block.master[lo - block.start : hi - block.start]
+            else:
+                master = piece[lo - region.start : hi - region.start]
+            writer.put(PARAMS + fragment.name, start, master)
+            for name, values in block.states.items():
+                writer.put(state_key(name, fragment.name), start, values[lo - block.start : hi - block.start])
+        writer.drain()  # the block's memory (a tile's segment) is given back next
+    writer.drain()
 
 
 def _engine_state(engine, client_state: dict | None) -> dict:

@@ -105,8 +105,12 @@ def _owners(slot, bucket: Bucket, ranks: int) -> tuple[tuple[int, int], ...]:
 class StateMap:
     """The layout of one engine's state for checkpoints ([Note: checkpoint state map])."""
 
-    def __init__(self, *, module: nn.Module, optimizer: PartitionedOptimizer, world_size: int, rank: int) -> None:
+    def __init__(self, *, module: nn.Module, optimizer: PartitionedOptimizer, world_size: int, rank: int,
+                 steps_taken: int = 0) -> None:  # fmt: skip
+        """``steps_taken``: optimizer steps the run has taken (not skipped), for an optimizer whose state does not
+        count them (SGD)."""
         self.module = module
+        self.steps_taken = steps_taken
         self.optimizer = optimizer
         self.world_size = world_size
         self.rank = rank
@@ -262,9 +266,12 @@ class StateMap:
             return list(tiled.steps)
         steps = [0] * len(self.optimizer.param_groups)
         for param, (group, _) in self._torch_pieces():
-            step = self.optimizer.optimizer.state.get(param, {}).get("step")
+            state = self.optimizer.optimizer.state.get(param, {})
+            step = state.get("step")
             if step is not None:
                 steps[group] = int(step.item() if torch.is_tensor(step) else step)
+            elif state:  # it has stepped, and keeps no count (SGD's momentum_buffer)
+                steps[group] = self.steps_taken
         return steps
 
     def scalar_keys(self) -> list[str]:
@@ -297,8 +304,16 @@ class StateMap:
                     state[key] = torch.tensor(float(steps[group]), dtype=torch.float32,
                                               device=param.device if fused else "cpu")  # fmt: skip
 
-    def ensure_states(self, names: list[str], steps: list[int]) -> None:
-        """The user's optimizer gets zero states to load into (a run that has not stepped has none yet)."""
+    def declare_states(self, names: list[str]) -> None:
+        """The checkpoint's per-element states become arrays of this map too (the user's optimizer has none
+        before its first step); nothing is created yet (``make_states``)."""
+        self.state_names = tuple(dict.fromkeys((*self.state_names, *names)))
+        for name, (shape, owners) in self.optimized.items():
+            for state in self.state_names:
+                self._spec(state_key(state, name), shape, torch.float32, owners)
+
+    def make_states(self, names: list[str], steps: list[int]) -> None:
+        """The user's optimizer gets zero states to load into, in the groups that had stepped."""
         tiled = self.optimizer.tiled
         if tiled is not None and tiled.rule.update is not None:
             return
@@ -310,7 +325,3 @@ class StateMap:
             for name in names:
                 if not torch.is_tensor(state.get(name)):
                     state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        self.state_names = tuple(dict.fromkeys((*self.state_names, *names)))
-        for name, (shape, owners) in self.optimized.items():
-            for state in self.state_names:
-                self._spec(state_key(state, name), shape, torch.float32, owners)

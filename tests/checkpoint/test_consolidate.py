@@ -47,33 +47,30 @@ def _gathered(engine) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def stage3_nvme(tmp_path_factory):
-    """GPT-2 (tied lm_head, frozen biases) at stage 3, bf16, parameters and optimizer on NVMe: saved, and its
-    gathered weights."""
+    """GPT-2 (tied lm_head, frozen biases) at stage 3 in fp32, parameters and optimizer on NVMe: saved, and its
+    gathered weights (fp32: what to-fp32 must write bit for bit)."""
     root = tmp_path_factory.mktemp("s3")
     os.makedirs(root / "swap")
-    config = engine_config(stage=3, micro=4, accumulation=1, lr=1e-2, clip=1.0, precision="bf16")
+    config = engine_config(stage=3, micro=4, accumulation=1, lr=1e-2, clip=1.0)
     zero = config["zero_optimization"]
     zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(root / "swap")}
     zero["offload_param"] = {"device": "nvme", "nvme_path": str(root / "swap")}
     engine = _trained("gpt2", config)
     engine.save_checkpoint(root / "ckpt")
-    masters = engine.zero_optimizer.fp32_shards()[0]
     weights = _gathered(engine)
     engine.destroy()
-    return root / "ckpt", weights, masters
+    return root / "ckpt", weights
 
 
 def test_to_fp32_is_the_engines_weights_in_one_shard_or_many(stage3_nvme, tmp_path):
-    folder, weights, _ = stage3_nvme
+    folder, weights = stage3_nvme
     files = to_fp32(folder, tmp_path / "one")
     assert [os.path.basename(f) for f in files] == ["model.safetensors", "model.safetensors.index.json"]
     state = load_file(tmp_path / "one" / "model.safetensors")
     assert "lm_head.weight" not in state  # tied to transformer.wte.weight: stored once
     assert set(state) == set(weights) - {"lm_head.weight"}
     for name, value in state.items():
-        assert value.dtype == torch.float32
-        # bf16 weights are the fp32 masters rounded; frozen parameters are stored as they are
-        assert torch.equal(value.to(torch.bfloat16).float(), weights[name]), name
+        assert value.dtype == torch.float32 and torch.equal(value, weights[name]), name
     files = to_fp32(folder, tmp_path / "many", max_shard_size="20KB")
     with open(tmp_path / "many" / "model.safetensors.index.json") as f:
         index = json.load(f)
@@ -90,7 +87,7 @@ def test_to_fp32_is_the_engines_weights_in_one_shard_or_many(stage3_nvme, tmp_pa
 def test_info_describes_the_checkpoint(stage3_nvme, capsys):
     assert ckpt_main(["info", str(stage3_nvme[0])]) == 0
     out = capsys.readouterr().out
-    assert "tag global_step2: step 2" in out and "world size 1, ZeRO stage 3, bfloat16" in out
+    assert "tag global_step2: step 2" in out and "world size 1, ZeRO stage 3, float32" in out
     assert "optimizer/exp_avg_sq" in out and "tied: {'transformer.wte.weight': ['lm_head.weight']}" in out
     assert ckpt_main(["info", str(stage3_nvme[0]), "--tag", "nope"]) == 1
     assert "nope" in capsys.readouterr().err

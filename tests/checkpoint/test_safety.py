@@ -255,3 +255,103 @@ def test_a_model_of_tiny_and_scalar_parameters_resumes_exactly(tmp_path, stage):
         return losses
 
     assert run(False, range(6))[3:] == run(True, range(3, 6))
+
+
+def test_a_backward_not_yet_stepped_is_refused(tmp_path):
+    engine = _engine()
+    inputs, target = global_batch("transformer", 0, 4)
+    engine.backward(loss_fn("transformer", engine(inputs), target))
+    with pytest.raises(CheckpointError, match="a backward not yet stepped"):
+        engine.save_checkpoint(tmp_path)
+    engine.step()
+    engine.save_checkpoint(tmp_path)
+    engine.destroy()
+
+
+def _with_buffer(size: int) -> torch.nn.Module:
+    model = torch.nn.Linear(3, 3)
+    model.register_buffer("table", torch.arange(size, dtype=torch.float32))
+    return model
+
+
+def test_a_buffer_of_another_shape_is_named(tmp_path):
+    torch.manual_seed(0)
+    config = engine_config(stage=2, micro=4, accumulation=1, lr=1e-2, clip=0.0)
+    engine, *_ = infinity.initialize(model=_with_buffer(4), config=config)
+    engine.save_checkpoint(tmp_path)
+    engine.destroy()
+    engine, *_ = infinity.initialize(model=_with_buffer(5), config=config)
+    with pytest.raises(CheckpointError, match=r"buffer 'buffers/table' has shape \[4\] in the checkpoint but \[5\]"):
+        engine.load_checkpoint(tmp_path)
+    engine.destroy()
+
+
+def test_saving_a_tag_again_replaces_it_whole(tmp_path):
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(tmp_path, tag="same")
+    _train(engine, 1, first=1)
+    engine.save_checkpoint(tmp_path, tag="same")
+    assert sorted(os.listdir(tmp_path)) == ["latest", "same"]
+    after = _train(engine, 1, first=2)
+    engine.destroy()
+    engine = _engine()
+    engine.load_checkpoint(tmp_path)
+    assert engine.global_steps == 2 and _train(engine, 1, first=2) == after
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stages", [(1, 1), (1, "cpu"), ("cpu", 1)])
+def test_sgd_momentum_resumes_exactly_across_layouts(tmp_path, stages):
+    """torch's SGD keeps no step count: its momentum must still be saved and loaded, into the user's optimizer
+    (stage 1 in memory) and into tiles (the optimizer offloaded to host memory), either way."""
+
+    def engine_for(where):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        config = engine_config(stage=1, micro=4, accumulation=1, lr=1e-2, clip=0.0)
+        if where == "cpu":
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return infinity.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    engine = engine_for(stages[0])
+    _train(engine, 2)
+    engine.save_checkpoint(tmp_path)
+    want = _train(engine, 2, first=2)
+    engine.destroy()
+    engine = engine_for(stages[1])
+    engine.load_checkpoint(tmp_path)
+    assert _train(engine, 2, first=2) == want
+    engine.destroy()
+
+
+def test_dropout_and_the_engines_loader_resume_exactly(tmp_path):
+    """The RNG (dropout masks) and the loader (its order, its own generator) continue where they were."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 6, generator=gen), torch.randn(40, 1, generator=gen))
+
+    def run(load: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1))
+        config = engine_config(stage=2, micro=4, accumulation=1, lr=1e-2, clip=0.0)
+        engine, _, loader, _ = infinity.initialize(model=model, config=config, training_data=data)
+        if load:
+            engine.load_checkpoint(tmp_path)
+        losses, batches = [], iter(loader)
+        for step in range(4 if load else 16):
+            try:
+                inputs, target = next(batches)
+            except StopIteration:  # an epoch is 10 batches: the resumed run crosses into the next one
+                batches = iter(loader)
+                inputs, target = next(batches)
+            loss = torch.nn.functional.mse_loss(engine(inputs), target)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if step == 11 and not load:
+                engine.save_checkpoint(tmp_path)
+        engine.destroy()
+        return losses
+
+    assert run(False)[12:] == run(True)

@@ -68,7 +68,8 @@ def _config(mode: Mode, swap: str, *, world_size: int = 2) -> dict:
     if mode.stage == 3:
         zero["stage3_param_persistence_threshold"] = 40  # the LayerNorms' and biases' persistent unit too
     if mode.precision == "fp16":
-        config["fp16"] = {"enabled": True, "initial_scale_power": 30, "loss_scale_window": 3, "hysteresis": 1}
+        # a scale that overflows now and then (steps skipped before and after the save), and grows every 3 steps
+        config["fp16"] = {"enabled": True, "initial_scale_power": 18, "loss_scale_window": 3, "hysteresis": 1}
     return config
 
 
@@ -138,9 +139,11 @@ def _save_then_continue(*, rank: int, world_size: int, root: str) -> dict:
         batches = [iter(loader)]
         _train_from_loader(engine, loader, mode, SAVE_AT, batches)
         engine.save_checkpoint(os.path.join(root, mode.name), client_state={"note": mode.name, "rank": rank})
+        skipped_before = engine.skipped_steps
         losses = _train_from_loader(engine, loader, mode, AFTER, batches)
         out[mode.name] = {"losses": losses, "params": _params(engine), "lr": engine.get_lr(),
-                          "skipped": engine.skipped_steps, "scale": engine.loss_scale}  # fmt: skip
+                          "skipped": engine.skipped_steps, "scale": engine.loss_scale,
+                          "skipped_before": skipped_before}  # fmt: skip
         engine.destroy()
     # the resharding source: stage 3 on NVMe, explicit global batches
     source = Mode(3, "nvme")
@@ -165,7 +168,30 @@ def _load_and_continue(*, rank: int, world_size: int, root: str) -> dict:
                           "skipped": engine.skipped_steps, "scale": engine.loss_scale}  # fmt: skip
         engine.destroy()
     out["reshard"] = _reshard_into(root, [Mode(1), Mode(3)], rank, world_size)
+    out["failed_save"] = _one_rank_fails_to_save(root, rank)
     return out
+
+
+def _one_rank_fails_to_save(root: str, rank: int) -> str:
+    """Rank 1's chunk writes fail (as on a full disk): both ranks raise, none waits for the other, and the
+    previous checkpoint stays the one `latest` names."""
+    import infinity.checkpoint.chunk_io as chunk_io
+
+    engine, _ = _engine(Mode(3, "nvme"), os.path.join(root, "swap"), data=False)
+    folder = os.path.join(root, "reshard")
+    engine.load_checkpoint(folder)
+    if rank == 1:
+        def full(self, path, values, file_bytes):
+            raise infinity.CheckpointError(f"writing {path}: No space left on device (errno 28)")
+
+        chunk_io.ChunkIO.write = full
+    try:
+        engine.save_checkpoint(folder, tag="doomed")
+        message = "no error"
+    except infinity.CheckpointError as e:
+        message = str(e)
+    engine.destroy()
+    return message
 
 
 def _reshard_into(root: str, modes: list[Mode], rank: int, world_size: int) -> dict:
@@ -208,7 +234,10 @@ def test_resume_is_exact_and_reshards(tmp_path):
             assert got["scale"] == want["scale"], mode.name
             for name, value in want["params"].items():
                 assert torch.equal(got["params"][name], value), (mode.name, name)
-    assert first[0]["transformer-s2-none-fp16"]["skipped"] > 0  # the scale started too high
+    for name in ("transformer-s2-none-fp16", "transformer-s3-nvme-fp16"):  # steps taken and skipped on both sides
+        run = first[0][name]
+        assert run["skipped_before"] < SAVE_AT and run["skipped"] - run["skipped_before"] < AFTER, run
+        assert run["skipped"] > 0, run
 
     original = _arrays(os.path.join(root, "reshard", f"global_step{SAVE_AT}"))
     assert any(key.startswith("optimizer/exp_avg_sq/") for key in original)
@@ -218,6 +247,11 @@ def test_resume_is_exact_and_reshards(tmp_path):
         assert resaved.keys() == original.keys(), folder
         for key, value in original.items():
             assert torch.equal(resaved[key], value), (folder, key)
+    for rank in range(2):  # rank 1 failed; rank 0 learned of it: neither hung
+        assert "No space left on device" in second[rank]["failed_save"], second[rank]["failed_save"]
+    assert "rank 1" in second[0]["failed_save"]
+    with open(os.path.join(root, "reshard", "latest")) as f:
+        assert f.read() == f"global_step{SAVE_AT}"
     reference = first[0]["reshard"]
     for losses in (single[0]["transformer-s2-none-fp32"], second[0]["reshard"]["transformer-s1-none-fp32"],
                    second[0]["reshard"]["transformer-s3-none-fp32"]):  # fmt: skip
