@@ -22,9 +22,9 @@ writes, gathered untimed through the save's own walk over the engine's state: at
 at world size 2 each rank torch.saves the flat ranges of its own shard (as DeepSpeed's per-rank zero files), the
 arrays every rank holds whole only on rank 0. That favours the baseline: its state is already assembled in memory
 (the engine's save reads stage3-nvme's states from the disk while writing), and torch.load's time does not
-include putting the tensors into a model and optimizer (the engine's load does). Loads on both sides read from the
-page cache (the files were just written; dropping it needs root), equally. The engine's save syncs the whole file
-system (syncfs), so another process's dirty pages on the same disk count against it.
+include putting the tensors into a model and optimizer (the engine's load does). torch.load reads the file it just
+wrote from the page cache; the engine reads with O_DIRECT, from the disk (its save wrote around the cache). The
+engine's save syncs the whole file system (syncfs), so another process's dirty pages on the same disk count against it.
 
 GB/s is the state's bytes (its tensors' bytes, the same for both sides) over the median seconds, so a ratio
 of GB/s is a ratio of times. The bytes on disk are reported too: the tag folder (arrays, Zarr metadata, manifest,

@@ -30,7 +30,7 @@ logger = logging.getLogger("infinity")
 
 class ArrayReader:
     """Reads flat ranges of the checkpoint's arrays, each checked against the manifest on first use, through
-    the I/O engine ([Note: chunk I/O] in chunk_io.py): ``read_into`` issues, ``drain`` waits."""
+    the I/O engine (chunk_io.py): ``read_into`` issues, ``drain`` waits."""
 
     def __init__(self, folder: str, manifest: Manifest, io: ChunkIO) -> None:
         self.folder = folder
@@ -243,7 +243,8 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
                                  piece[first : first + fragment.numel])  # fmt: skip
             reader.drain()
             shards.commit(region.piece)
-        for block in state_map.blocks(region, dirty=True, with_states=with_states):
+        # with the states, every element of a tile is loaded (master and states): nothing to read from its tier
+        for block in state_map.blocks(region, dirty=True, with_states=with_states, overwrite=with_states):
             _fill_block(block, region, reader, keys)
             reader.drain()  # before the block's memory (a tile's segment) is given back
     with torch.no_grad():
@@ -338,7 +339,10 @@ def _load_rng(folder: str, rank: int) -> None:
         logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size); "
                        "this rank's RNG is left as it is", rank, folder)  # fmt: skip
         return
-    state = torch.load(path, weights_only=False)
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

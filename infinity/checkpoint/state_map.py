@@ -217,13 +217,15 @@ class StateMap:
         return tiled.params if tiled is not None else self.optimizer.masters
 
     # ---- the values, block by block ----
-    def blocks(self, region: Region, *, dirty: bool, with_states: bool = True) -> Iterator[Block]:
-        """The region's values in blocks (tiles are acquired and given back, ``dirty`` when changed)."""
+    def blocks(self, region: Region, *, dirty: bool, with_states: bool = True, overwrite: bool = False
+               ) -> Iterator[Block]:  # fmt: skip
+        """The region's values in blocks (tiles are acquired and given back, ``dirty`` when changed; ``overwrite``:
+        the caller writes every element of each block, master and states, so an offloaded tile is not read)."""
         tiled = self.optimizer.tiled
         if tiled is not None and tiled.rule.update is not None:
             mine = region.group < 0  # stage 3: a unit's tiles of every group
             tiles = [t for t in tiled.tiles if t.piece == region.piece and (mine or t.group == region.group)]
-            yield from self._tile_blocks(tiles, dirty=dirty, with_states=with_states)
+            yield from self._tile_blocks(tiles, dirty=dirty, with_states=with_states, overwrite=overwrite)
             return
         for param, (group, first) in self._torch_pieces():
             if region.group >= 0 and group != region.group:
@@ -242,21 +244,34 @@ class StateMap:
             return [(p, (t.group, t.start)) for t, p in zip(tiled.tiles, tiled.params, strict=True)]
         return list(zip(self.optimizer.masters, self.optimizer._master_at, strict=True))
 
-    def _tile_blocks(self, tiles: list[Tile], *, dirty: bool, with_states: bool) -> Iterator[Block]:
+    def _tile_blocks(self, tiles: list[Tile], *, dirty: bool, with_states: bool, overwrite: bool) -> Iterator[Block]:
+        """The tiles' segments one after another, the next one's read started before this one is handed out (one
+        ahead, when a ring buffer is free). ``overwrite``: the caller fills every element, so nothing is read."""
         tiled = self.optimizer.tiled
+        manager = tiled.manager
         tiled.drop_ahead()  # reads a step started would hold buffers (and values) of the tiles
-        for tile in tiles:
-            handle = tiled.manager.acquire(tile.name)
-            try:
-                segment = handle.wait()
-                n = tile.numel
-                width = 0 if tiled.masters is not None else 1
-                master = None if tiled.masters is not None else segment[:n]
-                states = {s: segment[(width + k) * n : (width + k + 1) * n] for k, s in enumerate(tiled.rule.states)}
-                yield Block(tile.start, n, master, states if with_states else {})
-            finally:
-                tiled.manager.release(handle, dirty=dirty)
-        tiled.manager.flush()
+        ahead: dict[int, object] = {}
+        try:
+            for index, tile in enumerate(tiles):
+                handle = ahead.pop(index, None) or manager.acquire(tile.name, read=not overwrite)
+                if index + 1 < len(tiles):
+                    following = manager.acquire(tiles[index + 1].name, block=False, read=not overwrite)
+                    if following is not None:
+                        ahead[index + 1] = following
+                try:
+                    segment = handle.wait()
+                    n = tile.numel
+                    width = 0 if tiled.masters is not None else 1
+                    master = None if tiled.masters is not None else segment[:n]
+                    states = {name: segment[(width + k) * n : (width + k + 1) * n]
+                              for k, name in enumerate(tiled.rule.states)}  # fmt: skip
+                    yield Block(tile.start, n, master, states if with_states else {})
+                finally:
+                    manager.release(handle, dirty=dirty)
+        finally:
+            for handle in ahead.values():
+                manager.release(handle, dirty=False)
+        manager.flush()
 
     # ---- per-group scalars ----
     def group_steps(self) -> list[int]:
