@@ -14,6 +14,7 @@ def main(argv: list[str]) -> int:
     info = commands.add_parser("info", help="tags, step, world size, stage, arrays and sizes of a checkpoint")
     info.add_argument("ckpt_dir", help="the save_dir given to save_checkpoint (or one tag's folder)")
     info.add_argument("--tag", default=None, help="the tag to describe (default: the one `latest` names)")
+    info.add_argument("--arrays", action="store_true", help="list every array (default: the 5 largest)")
     fp32 = commands.add_parser(
         "to-fp32", help="write the fp32 weights as safetensors shards + model.safetensors.index.json (zero_to_fp32)"
     )
@@ -26,7 +27,7 @@ def main(argv: list[str]) -> int:
 
     try:
         if args.command == "info":
-            print(describe(args.ckpt_dir, args.tag))
+            print(describe(args.ckpt_dir, args.tag, every_array=args.arrays))
         else:
             files = to_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size)
             print("\n".join(files))

@@ -103,8 +103,8 @@ def to_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str
     return written
 
 
-def describe(ckpt_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """What `infinity ckpt info` prints."""
+def describe(ckpt_dir: str | os.PathLike, tag: str | None = None, *, every_array: bool = False) -> str:
+    """What `infinity ckpt info` prints (``every_array``: each array's shape, dtype and size, not the 5 largest)."""
     ckpt_dir = os.fspath(ckpt_dir)
     folder = tag_folder(ckpt_dir, tag)
     manifest = Manifest.read(folder)
@@ -132,8 +132,8 @@ def describe(ckpt_dir: str | os.PathLike, tag: str | None = None) -> str:
     lines.append(f"{len(manifest.arrays)} arrays, {total / 1e9:.3f} GB:")
     for kind, (count, numel, nbytes) in kinds.items():
         lines.append(f"  {kind:<28} {count:>6} arrays {numel:>15,} elements {nbytes / 1e9:>9.3f} GB")
-    lines.append("largest arrays:")
-    for nbytes, key, shape, dtype in sorted(sizes, reverse=True)[:5]:
+    lines.append("arrays:" if every_array else "largest arrays (--arrays lists them all):")
+    for nbytes, key, shape, dtype in sorted(sizes, reverse=True)[: None if every_array else 5]:
         lines.append(f"  {key:<60} {shape} {dtype} {nbytes / 1e6:.1f} MB")
     for g, group in enumerate(manifest.groups):
         hyper = {k: v for k, v in group.hyperparameters.items() if k in ("lr", "betas", "eps", "weight_decay")}

@@ -24,6 +24,7 @@ from infinity.checkpoint.save import ENGINE_STATE, agree, check_tag, rng_path
 from infinity.checkpoint.state_map import BUFFERS, PARAMS, Block, Region, StateMap, overlaps, state_key
 from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_file, chunk_spans, read_array_meta
 from infinity.errors import CheckpointError
+from infinity.memory.tiers import Tier
 
 logger = logging.getLogger("infinity")
 
@@ -241,12 +242,15 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
                 first = fragment.offset - region.start
                 reader.read_into(keys[PARAMS + fragment.name], fragment.param_start,
                                  piece[first : first + fragment.numel])  # fmt: skip
-            reader.drain()
+            if shards.home is Tier.NVME:
+                reader.drain()  # the piece is a ring buffer (or written out) once committed
             shards.commit(region.piece)
         # with the states, every element of a tile is loaded (master and states): nothing to read from its tier
         for block in state_map.blocks(region, dirty=True, with_states=with_states, overwrite=with_states):
             _fill_block(block, region, reader, keys)
-            reader.drain()  # before the block's memory (a tile's segment) is given back
+            if block.transient:
+                reader.drain()  # before the block's memory (a ring buffer) is given back
+    reader.drain()
     with torch.no_grad():
         for name, buffer in state_map.buffers.items():
             buffer.copy_(reader.whole(keys[BUFFERS + name]))

@@ -179,8 +179,10 @@ def _write_region(engine, state_map: StateMap, writer: ChunkWriter, region, shar
             writer.put(PARAMS + fragment.name, start, master)
             for name, values in block.states.items():
                 writer.put(state_key(name, fragment.name), start, values[lo - block.start : hi - block.start])
-        writer.drain()  # the block's memory (a tile's segment) is given back next
-    writer.drain()
+        if block.transient:
+            writer.drain()  # the block's memory (a ring buffer) is given back next
+    # Memory that stays (the shards, tiles in memory, a piece read here, partial chunks) is kept alive by the
+    # writes in flight: no wait here, so ranks do not wait for each other's disk at every region
 
 
 def _engine_state(engine, client_state: dict | None) -> dict:

@@ -66,6 +66,7 @@ class Block:
     numel: int
     master: torch.Tensor | None
     states: dict[str, torch.Tensor]
+    transient: bool = False  # its memory is a ring buffer, reused once given back: I/O on it must be drained
 
 
 def parameter_names(module: nn.Module) -> tuple[dict[int, str], dict[str, list[str]]]:
@@ -265,7 +266,7 @@ class StateMap:
                     master = None if tiled.masters is not None else segment[:n]
                     states = {name: segment[(width + k) * n : (width + k + 1) * n]
                               for k, name in enumerate(tiled.rule.states)}  # fmt: skip
-                    yield Block(tile.start, n, master, states if with_states else {})
+                    yield Block(tile.start, n, master, states if with_states else {}, transient=handle.in_ring)
                 finally:
                     manager.release(handle, dirty=dirty)
         finally:

@@ -111,6 +111,11 @@ class SegmentHandle:
         self._slot = slot
         self._manager = manager
 
+    @property
+    def in_ring(self) -> bool:
+        """Its tensor is a staging ring buffer, reused for another segment once this handle is released."""
+        return self._slot is not None
+
     def ready(self) -> bool:
         return self._request is None or self._request.done()
 

@@ -89,6 +89,9 @@ def test_info_describes_the_checkpoint(stage3_nvme, capsys):
     out = capsys.readouterr().out
     assert "tag global_step2: step 2" in out and "world size 1, ZeRO stage 3, float32" in out
     assert "optimizer/exp_avg_sq" in out and "tied: {'transformer.wte.weight': ['lm_head.weight']}" in out
+    assert ckpt_main(["info", str(stage3_nvme[0]), "--arrays"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"params/{name} " in listed for name in stage3_nvme[1] if name != "lm_head.weight")
     assert ckpt_main(["info", str(stage3_nvme[0]), "--tag", "nope"]) == 1
     assert "nope" in capsys.readouterr().err
 

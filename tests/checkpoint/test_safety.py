@@ -355,3 +355,42 @@ def test_dropout_and_the_engines_loader_resume_exactly(tmp_path):
         return losses
 
     assert run(False)[12:] == run(True)
+
+
+def test_what_loads_follows_the_flags(tmp_path):
+    """load_module_only: the weights only (and the masters, which follow them); load_optimizer_states=False: not
+    the optimizer; load_lr_scheduler_states=False: not the scheduler; save_latest=False leaves `latest` alone."""
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)
+        config = engine_config(stage=2, micro=4, accumulation=1, lr=1e-2, clip=1.0)
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                              "warmup_num_steps": 10}}  # fmt: skip
+        return infinity.initialize(model=TinyTransformer(), config=config)[0]
+
+    source = fresh(0)
+    _train(source, 2)
+    source.save_checkpoint(tmp_path / "src", client_state={"k": 1})
+    weights = [p.detach().clone() for p in source.module.parameters()]
+    states = {k: v.clone() for k, v in source.zero_optimizer.optimizer.state[source.zero_optimizer.masters[0]].items()}
+    source.destroy()
+
+    engine = fresh(1)  # other initial weights
+    _, client_state = engine.load_checkpoint(tmp_path / "src", load_module_only=True)
+    assert client_state == {} and engine.global_steps == 0 and engine.lr_scheduler.last_batch_iteration == 0
+    assert all(torch.equal(p, w) for p, w in zip(engine.module.parameters(), weights, strict=True))
+    assert not engine.zero_optimizer.optimizer.state  # no states were loaded
+    engine.destroy()
+
+    engine = fresh(1)
+    _, client_state = engine.load_checkpoint(tmp_path / "src", load_lr_scheduler_states=False)
+    assert client_state == {"k": 1} and engine.global_steps == 2 and engine.lr_scheduler.last_batch_iteration == 0
+    loaded = engine.zero_optimizer.optimizer.state[engine.zero_optimizer.masters[0]]
+    assert loaded.keys() == states.keys() and all(torch.equal(loaded[k], v) for k, v in states.items())
+    engine.load_checkpoint(tmp_path / "src")
+    assert engine.lr_scheduler.last_batch_iteration == 2
+    engine.save_checkpoint(tmp_path, tag="kept")
+    engine.save_checkpoint(tmp_path, tag="other", save_latest=False)
+    with open(tmp_path / "latest") as f:
+        assert f.read() == "kept"
+    engine.destroy()
