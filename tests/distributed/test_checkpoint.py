@@ -1,10 +1,11 @@
 """Checkpoints at world size 2 (real processes over gloo): exact resume in every mode, and resharding.
 
-Exact resume: a run trains 4 steps, saves, trains 4 more; fresh processes load the checkpoint and train the same
-4 steps: the fp32 losses and the final parameters must be identical (torch.equal), for stages 0-3 with the
+Exact resume: a run trains 5 steps, saves, trains 5 more; fresh processes load the checkpoint and train the same
+5 steps: the fp32 losses and the final parameters must be identical (torch.equal), for stages 0-3 with the
 optimizer (and at stage 3 the parameters) in memory, in host memory and on NVMe, with a WarmupLR scheduler
-(the learning rate moves every step), gradient accumulation 2 and the engine's own data loader, whose pass crosses
-an epoch after the resume (the same batches must follow). fp16 runs (stages 2 and 3) start at a loss scale that
+(the learning rate moves every step until its warmup ends, after the resume), gradient accumulation 2 and the
+engine's own data loader: the save falls in the middle of an epoch, and the resumed run finishes it and crosses into
+the next (the same batches must follow). fp16 runs (stages 2 and 3) start at a loss scale that
 overflows, so skipped steps and the scaler's state are part of what must resume. GPT-2 (tied embeddings, frozen
 biases) covers parameters saved under one name and parameters outside the optimizer.
 
@@ -30,7 +31,7 @@ from infinity.checkpoint.zarr_store import read_array_meta, read_range
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import SEQ, VOCAB, build, engine_config, global_batch, loss_fn
 
-SAVE_AT, AFTER = 4, 4
+SAVE_AT, AFTER = 5, 5
 MICRO, ACCUMULATION = 2, 2
 
 
@@ -59,7 +60,7 @@ def _config(mode: Mode, swap: str, *, world_size: int = 2) -> dict:
     accumulation = ACCUMULATION * 2 // world_size
     config = engine_config(stage=mode.stage, micro=MICRO, accumulation=accumulation, lr=1e-2, clip=1.0)
     config["scheduler"] = {"type": "WarmupLR",
-                           "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}  # fmt: skip
+                           "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 8}}  # fmt: skip
     zero = config["zero_optimization"]
     if mode.device != "none":
         zero["offload_optimizer"] = {"device": mode.device, "nvme_path": swap}
