@@ -198,7 +198,8 @@ class _TrainingDataLoader(torch.utils.data.DataLoader):
     def resume(self, position: dict) -> None:
         """The next iter() continues the saved pass after its consumed batches (or starts the next epoch when
         the pass was over)."""
-        self.generator.set_state(position["generator"])
+        if position.get("generator") is not None:
+            self.generator.set_state(position["generator"])
         if not position["in_pass"]:
             self.sampler._next_epoch = position["next_epoch"]
         elif position["batches"] >= len(self):

@@ -38,10 +38,12 @@ def agree_ok(comm: Comm, error: BaseException | None, what: str) -> None:
             raise error
         return
     gathered: list = [None] * comm.world_size
-    dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}", group=comm.group)
+    # the payload of ChunkWriter.exchange: a rank that failed after an exchange meets the others' next one here
+    mine = ("error", f"{type(error).__name__}: {error}") if error is not None else ("ok", [])
+    dist.all_gather_object(gathered, mine, group=comm.group)
     if error is not None:
         raise announced(error)
-    failed = [(rank, detail) for rank, detail in enumerate(gathered) if detail is not None]
+    failed = [(rank, detail) for rank, (status, detail) in enumerate(gathered) if status == "error"]
     if failed:
         raise announced(CheckpointError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}"))
 

@@ -128,42 +128,46 @@ def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_s
         return None, None
     folder = _tag_folder(load_dir, tag)
     manifest = Manifest.read(folder)
-    io = ChunkIO(engine.config.aio)
-    try:
-        return _load(engine, folder, manifest, io, comm, load_optimizer_states=load_optimizer_states,
-                     load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-    finally:
-        io.close()
+    return _load(engine, folder, manifest, comm, load_optimizer_states=load_optimizer_states,
+                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
 
-def _load(engine, folder: str, manifest: Manifest, io: ChunkIO, comm, *, load_optimizer_states: bool,
+def _load(engine, folder: str, manifest: Manifest, comm, *, load_optimizer_states: bool,
           load_lr_scheduler_states: bool, load_module_only: bool):  # fmt: skip
-    reader = ArrayReader(folder, manifest, io)
-    state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
-                         rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
     with_states = load_optimizer_states and not load_module_only
+    io = None
     error = None
     try:  # every check first, on every rank: nothing has changed when one fails
+        io = ChunkIO(engine.config.aio)
+        reader = ArrayReader(folder, manifest, io)
+        state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
+                             rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
         if with_states:
             _check_states(engine, state_map, manifest, folder)
         keys = _key_map(state_map, manifest, reader, with_states)
         for key, start, numel in _planned_reads(engine, state_map, keys, with_states):
             reader.check(key, start, numel)
+        saved_state = None if load_module_only else _read_engine_state(folder)
+        saved_rng = None if load_module_only else _read_rng(folder, comm.rank)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
         error = e
-    agree_ok(comm, error, "load_checkpoint")
-    client_state: dict = {}
     try:
-        _load_arrays(engine, state_map, reader, keys, with_states)
-        if with_states:
-            _load_hyperparameters(engine, state_map, manifest)
-        if not load_module_only:
-            client_state = _load_engine_state(engine, folder, load_lr_scheduler_states)
-            _load_rng(folder, comm.rank)
-        error = None
-    except Exception as e:  # noqa: BLE001
-        error = e
-    agree_ok(comm, error, "load_checkpoint")
+        agree_ok(comm, error, "load_checkpoint")
+        client_state: dict = {}
+        try:
+            _load_arrays(engine, state_map, reader, keys, with_states)
+            if with_states:
+                _load_hyperparameters(engine, state_map, manifest)
+            if saved_state is not None:
+                client_state = _apply_engine_state(engine, saved_state, load_lr_scheduler_states)
+                _apply_rng(saved_rng)
+            error = None
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree_ok(comm, error, "load_checkpoint")
+    finally:
+        if io is not None:
+            io.close()
     if engine.stage3 is not None:
         engine.zero_optimizer._regather_persistent()
     return folder, client_state
@@ -312,17 +316,23 @@ def _load_hyperparameters(engine, state_map: StateMap, manifest: Manifest) -> No
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _load_engine_state(engine, folder: str, load_lr_scheduler_states: bool) -> dict:
+def _read_engine_state(folder: str) -> dict:
     path = os.path.join(folder, ENGINE_STATE)
     try:
-        state = torch.load(path, weights_only=False)  # client_state is the user's own objects
+        return torch.load(path, weights_only=False)  # client_state is the user's own objects
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"{path} cannot be read: {e}") from None
+
+
+def _apply_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> dict:
     engine.global_steps = state["global_steps"]
     engine.micro_steps = state["micro_steps"]
     engine.skipped_steps = state["skipped_steps"]
+    accumulation = engine.config.gradient_accumulation_steps
+    if engine.micro_steps % accumulation:  # saved with another accumulation (another world size): a boundary here
+        engine.micro_steps = engine.global_steps * accumulation
     saved_scaler = state["loss_scaler"]
     if engine.loss_scaler.dynamic and saved_scaler.get("dynamic"):
         engine.loss_scaler.load_state_dict(saved_scaler)  # both fp16 with dynamic scaling: continue its schedule
@@ -337,16 +347,21 @@ def _load_engine_state(engine, folder: str, load_lr_scheduler_states: bool) -> d
     return state["client_state"]
 
 
-def _load_rng(folder: str, rank: int) -> None:
+def _read_rng(folder: str, rank: int) -> dict | None:
     path = rng_path(folder, rank)
     if not os.path.exists(path):
         logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size); "
                        "this rank's RNG is left as it is", rank, folder)  # fmt: skip
-        return
+        return None
     try:
-        state = torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"{path} cannot be read: {e}") from None
+
+
+def _apply_rng(state: dict | None) -> None:
+    if state is None:
+        return
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -261,6 +261,8 @@ class StateMap:
                         ahead[index + 1] = following
                 try:
                     segment = handle.wait()
+                    if overwrite:
+                        segment.zero_()  # a ring buffer holds another tile's values: its padding must not keep them
                     n = tile.numel
                     width = 0 if tiled.masters is not None else 1
                     master = None if tiled.masters is not None else segment[:n]
