@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from infinity.aio import core
 from infinity.aio.buffers import HUGE_PAGE_BYTES, HostBuffer, allocate_host_buffer
+from infinity.aio.files import fsync_path
 from infinity.aio.handle import AioHandle, AioSettings
 from infinity.errors import ConfigError, InfinityError
 
@@ -261,14 +262,6 @@ def drop_page_cache(path: str) -> None:
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -185,6 +185,15 @@ def _open(path: str, flags: int, *, op: str, mode: int = 0o644) -> int:
         raise _open_error(path, op, e.errno) from None
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """A file's (or a folder's entries') data on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_for_io(path: str | os.PathLike, *, is_write: bool, direct: bool, need_buffered: bool) -> OpenFile:
     """Open ``path`` for one request. need_buffered: also open a buffered descriptor (for tails)."""
     path = os.fspath(path)

@@ -27,7 +27,6 @@ class ChunkIO:
         self.max_in_flight_bytes = max_in_flight_bytes
         self._pending: deque = deque()  # (request, tensor kept alive, then: callable | None)
         self._bytes = 0
-        self.bytes_moved = 0
 
     def write(self, path: str, values: torch.Tensor, file_bytes: int) -> None:
         """A new file of ``file_bytes`` bytes starting with ``values`` (the rest zeros: an edge chunk's padding)."""
@@ -60,7 +59,6 @@ class ChunkIO:
             request.wait()
         except AioError as e:
             raise CheckpointError(f"checkpoint file {e.path}: {e}") from e
-        self.bytes_moved += nbytes
         if then is not None:
             then()
 

@@ -9,6 +9,8 @@ import os
 import shutil
 import uuid
 
+from infinity.aio.files import fsync_path
+
 _libc = None
 
 
@@ -39,19 +41,7 @@ def sync_files(folder: str, paths: list[str]) -> None:
         finally:
             os.close(fd)
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
 
 
 def write_durably(path: str, text: str) -> None:
@@ -63,7 +53,7 @@ def write_durably(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(folder)
+    fsync_path(folder)
 
 
 RENAME_EXCHANGE = 2  # renameat2's flag (Linux >= 3.15): swap two paths atomically
@@ -93,7 +83,7 @@ def publish_folder(tmp: str, final: str) -> None:
             os.rename(tmp, final)
     else:
         os.rename(tmp, final)
-    fsync_dir(parent)
+    fsync_path(parent)
     if old is not None:
         with contextlib.suppress(OSError):
             shutil.rmtree(old)

@@ -11,6 +11,7 @@ at any point leaves the previous tags and ``latest`` as they were: a tag folder 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -68,11 +69,6 @@ def agree(comm, value, what: str):
     if any(v != values[0] for v in values):
         raise CheckpointError(f"ranks passed different {what}: {values}; pass the same on every rank")
     return value
-
-
-def barrier(comm) -> None:
-    if comm.active:
-        dist.barrier(group=comm.group)
 
 
 def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict | None,
@@ -234,6 +230,5 @@ def _stage3_others(engine, state_map: StateMap):
 
 
 def json_safe_config(config) -> dict:
-    import json
-
+    """The config as given, with anything JSON cannot hold written as its str()."""
     return json.loads(json.dumps(config, default=str))
