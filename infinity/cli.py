@@ -7,6 +7,7 @@ import sys
 USAGE = """usage: infinity <command> [options]
 
 commands:
+  train       train a model it builds from a named shape (no download), with NVMe offload, progress and a summary
   aio-bench   measure (and tune) read/write throughput of a disk through the async I/O engine
   ckpt        look into a checkpoint (info) or write it as a plain fp32 state dict (to-fp32)
 
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "train":
+        from infinity.train.main import main as train_main
+
+        return train_main(rest)
     if command == "aio-bench":
         from infinity.aio.bench import main as bench_main
 

@@ -1,0 +1,144 @@
+"""The training run of `infinity train`, read top to bottom: build, (resume), the loop, (save), the summary."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import infinity
+from infinity.errors import CheckpointError
+from infinity.train import models
+from infinity.train.data import token_source
+from infinity.train.disk import DiskBusy
+from infinity.train.main import Plan
+from infinity.train.progress import Progress, ProgressLogHandler, StepFigures
+from infinity.train.summary import Summary, io_totals
+
+logger = logging.getLogger("infinity")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Run:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.args = plan.args
+        self.steps_done = 0
+        self.saved_to: str | None = None
+        self.progress: Progress | None = None
+
+    # ---- what the caller needs when the run ends early ----
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+    def checkpoint_note(self) -> str:
+        return f"; last checkpoint: {self.saved_to}" if self.saved_to else ""
+
+    def _log_to(self, progress: Progress) -> None:
+        """Rank 0's engine lines go between bar redraws; other ranks say only warnings."""
+        infinity_logger = logging.getLogger("infinity")
+        if self.plan.rank == 0:
+            handler: logging.Handler = ProgressLogHandler(progress)
+        else:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setLevel(logging.WARNING)
+            handler.setFormatter(logging.Formatter(f"[infinity rank {self.plan.rank}] %(message)s"))
+        infinity_logger.handlers[:] = [handler]
+        infinity_logger.setLevel(logging.INFO)
+        infinity_logger.propagate = False
+
+    def _build(self):
+        """The model under zero.Init at stage 3 (each rank builds only its pieces), then the engine."""
+        from transformers import AutoModelForCausalLM
+
+        config = self.plan.config
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        torch.manual_seed(self.args.seed)
+        hf_config = models.hf_config(self.plan.shape, seq_len=self.args.seq_len)
+        init = infinity.zero.Init(config=config) if stage == 3 else contextlib.nullcontext()
+        with init:
+            model = AutoModelForCausalLM.from_config(hf_config)
+        engine, *_ = infinity.initialize(model=model, config=config)
+        return engine
+
+    def train(self) -> Summary:
+        args, plan = self.args, self.plan
+        started = time.perf_counter()
+        self.progress = Progress(total_steps=args.steps, first_step=0, enabled=plan.rank == 0)
+        self._log_to(self.progress)
+        for note in plan.notes:
+            logger.info(note)
+        engine = self._build()
+        first_step = 0
+        if args.resume is not None:
+            path, _ = engine.load_checkpoint(args.resume)
+            if path is None:
+                raise CheckpointError(f"--resume {args.resume!r}: no checkpoint there (no `latest` file)")
+            first_step = engine.global_steps
+            logger.info("resumed from %s at step %d", path, first_step)
+            if first_step >= args.steps:
+                logger.info("the checkpoint is at step %d, --steps is %d: nothing to train", first_step, args.steps)
+        self.steps_done = first_step
+        source = token_source(args.data, vocab_size=models.vocab_size(plan.shape), seq_len=args.seq_len,
+                              seed=args.seed)  # fmt: skip
+        micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        tokens_per_step = micro * accumulation * args.seq_len * engine.world_size
+        self.progress.close()
+        self.progress = Progress(total_steps=args.steps, first_step=first_step, enabled=plan.rank == 0)
+        self._log_to(self.progress)
+        disk = DiskBusy(plan.nvme_paths[0] if plan.nvme_paths else None)
+        io_start = io_totals(engine.tier_stats())
+        loop_started = time.perf_counter()
+        losses: list[float] = []
+        step_times: list[float] = []
+        for step in range(first_step, args.steps):
+            step_started = time.perf_counter()
+            io_before = io_totals(engine.tier_stats())
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for m in range(accumulation):
+                tokens = source.batch(rank=engine.global_rank, micro_step=step * accumulation + m,
+                                      micro_batch=micro, seq_len=args.seq_len)  # fmt: skip
+                loss = engine(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().double().cpu()
+            if engine.world_size > 1:
+                dist.all_reduce(loss_sum)  # the mean over ranks: what plain PyTorch on the whole batch reports
+            losses.append(loss_sum.item() / (accumulation * engine.world_size))
+            step_s = time.perf_counter() - step_started
+            step_times.append(step_s)
+            self.steps_done = step + 1
+            io_now = io_totals(engine.tier_stats())
+            moved = (io_now.read_bytes + io_now.write_bytes) - (io_before.read_bytes + io_before.write_bytes)
+            self.progress.update(StepFigures(step=step + 1, loss=losses[-1], step_s=step_s,
+                                             tokens_per_s=tokens_per_step / step_s, io_gbps=moved / step_s / 1e9))
+            if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+                self._save(engine)
+        loop_s = time.perf_counter() - loop_started
+        if args.save and self.steps_done > first_step:
+            self._save(engine)
+        self.progress.close()
+        summary = Summary.gather(
+            engine=engine, plan=plan, losses=losses, first_step=first_step, step_times=step_times, loop_s=loop_s,
+            total_s=time.perf_counter() - started, io=io_totals(engine.tier_stats()).minus(io_start),
+            disk_busy_s=disk.seconds(), peak_rss=_peak_rss_bytes(), checkpoint=self.saved_to,
+            median_step_s=statistics.median(step_times) if step_times else 0.0, tokens_per_step=tokens_per_step,
+        )  # fmt: skip
+        engine.destroy()
+        return summary
+
+    def _save(self, engine) -> None:
+        engine.save_checkpoint(self.args.save)
+        self.saved_to = os.path.join(os.path.abspath(self.args.save), f"global_step{engine.global_steps}")
+        logger.info("checkpoint saved: %s", self.saved_to)

@@ -1,0 +1,133 @@
+"""The summary `infinity train` ends with: gathered from every rank (bytes summed, peak RSS the largest), so the
+numbers describe the whole run, not rank 0."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from infinity.train import models
+
+GB = 1e9
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(kw_only=True)
+class IoTotals:
+    """NVMe traffic of this rank so far, per owner ("parameters", "optimizer", "gradients")."""
+
+    read: dict[str, int]
+    written: dict[str, int]
+    blocked_s: float
+    held_nvme: int  # bytes of swap-file segments
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(self.read.values())
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(self.written.values())
+
+    def minus(self, earlier: IoTotals) -> IoTotals:
+        return IoTotals(
+            read={k: v - earlier.read.get(k, 0) for k, v in self.read.items()},
+            written={k: v - earlier.written.get(k, 0) for k, v in self.written.items()},
+            blocked_s=self.blocked_s - earlier.blocked_s,
+            held_nvme=self.held_nvme,
+        )
+
+
+def io_totals(tier_stats: dict) -> IoTotals:
+    read = {owner: s["traffic"]["nvme_read"]["bytes"] for owner, s in tier_stats.items()}
+    written = {owner: s["traffic"]["nvme_write"]["bytes"] for owner, s in tier_stats.items()}
+    blocked = sum(s["traffic"][d]["blocked_s"] for s in tier_stats.values() for d in ("nvme_read", "nvme_write"))
+    held = sum(s["held_bytes"].get("nvme", 0) for s in tier_stats.values())
+    return IoTotals(read=read, written=written, blocked_s=blocked, held_nvme=held)
+
+
+def _across_ranks(values: list[float], op) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+@dataclasses.dataclass(kw_only=True)
+class Summary:
+    heading: str
+    losses: list[float]
+    first_step: int
+    total_s: float
+    loop_s: float
+    median_step_s: float
+    tokens_per_s: float
+    peak_rss_max: float
+    peak_rss_rank0: float
+    io: IoTotals  # summed over ranks
+    blocked_s_max: float
+    disk_busy_s: float | None
+    swap_folders: list[str]
+    checkpoint: str | None
+
+    @classmethod
+    def gather(cls, *, engine, plan, losses, first_step, step_times, loop_s, total_s, io: IoTotals, disk_busy_s,
+               peak_rss, checkpoint, median_step_s, tokens_per_step) -> Summary:  # fmt: skip
+        """Collective: every rank calls it, in the same order."""
+        owners = sorted(set(io.read) | set(io.written))
+        summed = _across_ranks([io.read.get(o, 0) for o in owners] + [io.written.get(o, 0) for o in owners]
+                               + [io.held_nvme], dist.ReduceOp.SUM)  # fmt: skip
+        rss_max, blocked_max = _across_ranks([float(peak_rss), io.blocked_s], dist.ReduceOp.MAX)
+        n = len(owners)
+        io_sum = IoTotals(read=dict(zip(owners, summed[:n], strict=True)),
+                          written=dict(zip(owners, summed[n : 2 * n], strict=True)),
+                          blocked_s=io.blocked_s, held_nvme=int(summed[-1]))  # fmt: skip
+        numel = models.count_parameters(plan.shape)
+        heading = (f"{plan.shape.name} ({numel / 1e6:,.1f}M parameters), ZeRO stage {engine.zero_optimization_stage()}"
+                   f", world size {engine.world_size}, {_dtype_name(engine)}, micro-batch "
+                   f"{engine.train_micro_batch_size_per_gpu()} x {plan.args.seq_len} tokens"
+                   f" x {engine.gradient_accumulation_steps()} accumulation")  # fmt: skip
+        return cls(heading=heading, losses=losses, first_step=first_step, total_s=total_s, loop_s=loop_s,
+                   median_step_s=median_step_s,
+                   tokens_per_s=tokens_per_step / median_step_s if median_step_s else 0.0,
+                   peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), io=io_sum, blocked_s_max=blocked_max,
+                   disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint)  # fmt: skip
+
+    def __str__(self) -> str:
+        lines = [f"infinity train: done. {self.heading}"]
+        if self.losses:
+            first, last = self.first_step + 1, self.first_step + len(self.losses)
+            lines.append(f"  loss          {self.losses[0]:.4f} (step {first}) -> {self.losses[-1]:.4f} (step {last})")
+            lines.append(f"  time          {self.total_s:.1f} s in all, {self.loop_s:.1f} s training; median step "
+                         f"{self.median_step_s:.2f} s, {self.tokens_per_s:,.0f} tokens/s")  # fmt: skip
+        else:
+            lines.append("  loss          no steps trained (the checkpoint was already at --steps)")
+        lines.append(f"  peak RSS      {self.peak_rss_max / GIB:.2f} GiB (the largest rank; rank 0: "
+                     f"{self.peak_rss_rank0 / GIB:.2f} GiB)")  # fmt: skip
+        if self.io.read or self.io.written:
+            moved = ", ".join(
+                f"{owner} read {self.io.read.get(owner, 0) / GB:.2f} GB / wrote "
+                f"{self.io.written.get(owner, 0) / GB:.2f} GB"
+                for owner in sorted(self.io.read)
+            )
+            lines.append(f"  NVMe traffic  {moved} (all ranks)")
+            lines.append(f"  swap files    {self.io.held_nvme / GB:.2f} GB under {', '.join(self.swap_folders)} "
+                         "(all ranks; removed at the end)")  # fmt: skip
+            waits = (f"  I/O waits     blocked {self.blocked_s_max:.2f} s of {self.loop_s:.1f} s training "
+                     "(the most on a rank)")  # fmt: skip
+            if self.disk_busy_s:
+                hidden = max(0.0, 1.0 - self.blocked_s_max / self.disk_busy_s)
+                waits += (f"; the disk was busy {self.disk_busy_s:.1f} s: {100 * hidden:.0f}% of it hidden behind "
+                          "compute")  # fmt: skip
+            lines.append(waits)
+        else:
+            lines.append("  NVMe traffic  none: the config offloads nothing to NVMe")
+        lines.append(f"  checkpoint    {self.checkpoint or 'none (pass --save DIR to keep one)'}")
+        return "\n".join(lines)
+
+
+def _dtype_name(engine) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(engine.compute_dtype, "?")
