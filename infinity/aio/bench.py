@@ -84,36 +84,148 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
+# --tune's grid: every combination, for each op measured.
+TUNE_BLOCK_SIZES = (512 << 10, 1 << 20, 4 << 20)
+TUNE_QUEUE_DEPTHS = (8, 32)
+TUNE_INTRA_OP_PARALLELISM = (1, 2)
+TUNE_SINGLE_SUBMIT = (False, True)
+TUNE_SETTINGS = (
+    len(TUNE_BLOCK_SIZES) * len(TUNE_QUEUE_DEPTHS) * len(TUNE_INTRA_OP_PARALLELISM) * len(TUNE_SINGLE_SUBMIT)
+)
+DEFAULT_IO_SIZE = "4G"
+DEFAULT_LOOPS = 3
+DEFAULT_WARMUP = 1
+
+
+def tune_write_bytes(io_size: int, warmup: int, loops: int, reads: bool = True) -> int:
+    """Bytes a --tune run writes: every setting's passes, plus the file written once for the reads."""
+    return TUNE_SETTINGS * (warmup + loops) * io_size + (io_size if reads else 0)
+
+
+def _tune_help() -> str:
+    """--tune's help: the grid and what it writes, from the same constants the sweep uses."""
+    default = parse_size(DEFAULT_IO_SIZE)
+    small = 256 << 20
+    sizes = ",".join(format_size(size) for size in TUNE_BLOCK_SIZES)
+    depths = ",".join(map(str, TUNE_QUEUE_DEPTHS))
+    threads = ",".join(map(str, TUNE_INTRA_OP_PARALLELISM))
+    return (
+        f"sweep {TUNE_SETTINGS} settings per op (block-size {sizes} x queue-depth {depths} x "
+        f"intra-op-parallelism {threads} x single-submit off,on; the options that set these are ignored) "
+        f'and print the best "aio" block. It writes {TUNE_SETTINGS} x (warmup + loops) x io-size, plus '
+        f"io-size once for the reads: {_gib(tune_write_bytes(default, DEFAULT_WARMUP, DEFAULT_LOOPS))} with "
+        f"the defaults, {_gib(tune_write_bytes(small, DEFAULT_WARMUP, DEFAULT_LOOPS))} with --io-size 256M "
+        "(default: off)"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g} GiB"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infinity aio-bench",
-        description="Measure read/write throughput of a file through infinity's async I/O engine.",
+        description="Measure read/write throughput of a file through infinity's async I/O engine. Sizes take "
+        "K, M, G or T (binary: 1K = 1024); a comma list (e.g. --block-size 1M,4M) sweeps every combination. "
+        "GB/s means 1e9 bytes per second.",
     )
-    parser.add_argument("--folder", default=None, help="where the test file goes (default: a temporary folder here)")
-    parser.add_argument("--io-size", type=parse_size, default=parse_size("4G"), help="bytes per request (4G)")
+    parser.add_argument(
+        "--folder",
+        default=None,
+        help="folder on the disk to measure; the test file goes in a temporary subfolder of it, removed at the "
+        "end (default: the current folder)",
+    )
+    parser.add_argument(
+        "--io-size",
+        type=parse_size,
+        default=parse_size(DEFAULT_IO_SIZE),
+        help=f"bytes each pass reads or writes: the size of the test file (default: {DEFAULT_IO_SIZE})",
+    )
     ops = parser.add_mutually_exclusive_group()
-    ops.add_argument("--read", dest="ops", action="store_const", const=("read",))
-    ops.add_argument("--write", dest="ops", action="store_const", const=("write",))
-    ops.add_argument("--both", dest="ops", action="store_const", const=("write", "read"))
-    parser.add_argument("--block-size", type=parse_block_sizes, default=[1 << 20], help="e.g. 1M or 1M,4M")
-    parser.add_argument("--queue-depth", type=parse_positive_ints, default=[8], help="e.g. 8 or 8,32")
-    parser.add_argument("--intra-op-parallelism", type=parse_positive_ints, default=[1], help="threads, e.g. 1,2")
-    parser.add_argument("--single-submit", action="store_true", help="one request per io_submit")
-    parser.add_argument("--no-overlap-events", action="store_true", help="submit a batch, reap it all, repeat")
-    parser.add_argument("--loops", type=parse_positive_int, default=3, help="timed runs per setting (3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per setting (1)")
-    parser.add_argument("--buffered", action="store_true", help="no O_DIRECT (page cache), for comparison")
+    ops.add_argument(
+        "--read",
+        dest="ops",
+        action="store_const",
+        const=("read",),
+        help="measure reads only (the file is written once first, untimed)",
+    )
+    ops.add_argument("--write", dest="ops", action="store_const", const=("write",), help="measure writes only")
+    ops.add_argument(
+        "--both",
+        dest="ops",
+        action="store_const",
+        const=("write", "read"),
+        help="measure writes, then reads (the default when none of --read, --write, --both is given)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=parse_block_sizes,
+        default=[1 << 20],
+        help="bytes per request, a multiple of 4096, e.g. 1M or 1M,4M (default: 1M)",
+    )
+    parser.add_argument(
+        "--queue-depth",
+        type=parse_positive_ints,
+        default=[8],
+        help="requests in flight per thread, e.g. 8 or 8,32 (default: 8)",
+    )
+    parser.add_argument(
+        "--intra-op-parallelism",
+        type=parse_positive_ints,
+        default=[1],
+        help="threads that split each pass, e.g. 1 or 1,2 (default: 1)",
+    )
+    parser.add_argument(
+        "--single-submit", action="store_true", help="one request per io_submit call (default: off, batches)"
+    )
+    parser.add_argument(
+        "--no-overlap-events",
+        action="store_true",
+        help="submit a batch, reap it all, repeat (default: off, new requests go in as others complete)",
+    )
+    parser.add_argument(
+        "--loops",
+        type=parse_positive_int,
+        default=DEFAULT_LOOPS,
+        help=f"timed passes per setting; the table shows their median, min and max (default: {DEFAULT_LOOPS})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        help=f"untimed passes per setting before the timed ones (default: {DEFAULT_WARMUP})",
+    )
+    parser.add_argument(
+        "--buffered",
+        action="store_true",
+        help="no O_DIRECT (through the page cache), for comparison; reads still come from the disk (default: off)",
+    )
     parser.add_argument(
         "--buffer-size",
         type=parse_size,
         default=None,
-        help="host memory the request streams through (default: io-size, one tensor); fio uses "
-        "block-size x queue-depth per thread",
+        help="host memory the request streams through; fio uses block-size x queue-depth per thread "
+        "(default: io-size, one tensor)",
     )
-    parser.add_argument("--tune", action="store_true", help="sweep a grid and print the best aio block")
-    parser.add_argument("--vs-fio", action="store_true", help="run fio on the same file after each of our runs")
-    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
-    parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG bar chart here")
+    parser.add_argument("--tune", action="store_true", help=_tune_help())
+    parser.add_argument(
+        "--vs-fio",
+        action="store_true",
+        help="run fio on the same file after each of our runs; needs fio on PATH (default: off)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="also write the results as JSON to this file, checked before measuring (default: none)",
+    )
+    parser.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        help="also write a PNG bar chart to this file, checked before measuring; needs matplotlib (default: none)",
+    )
     parser.set_defaults(ops=("write", "read"))
     return parser
 
@@ -202,7 +314,7 @@ def format_size(n: int) -> str:
 
 def expand_cases(args: argparse.Namespace) -> list[Case]:
     if args.tune:
-        grid = itertools.product([512 << 10, 1 << 20, 4 << 20], [8, 32], [1, 2], [False, True])
+        grid = itertools.product(TUNE_BLOCK_SIZES, TUNE_QUEUE_DEPTHS, TUNE_INTRA_OP_PARALLELISM, TUNE_SINGLE_SUBMIT)
         return [Case(op, bs, qd, t, ss, True, args.buffered) for bs, qd, t, ss in grid for op in args.ops]
     return [
         Case(op, bs, qd, t, args.single_submit, not args.no_overlap_events, args.buffered)

@@ -119,3 +119,25 @@ def test_vs_fio_with_fio_reports_a_ratio(tmp_path, capsys):
     assert bench.main(argv) == 0
     rows = json.loads(json_path.read_text())["rows"]
     assert all(row["fio_gbps"]["malloc"] > 0 and row["ratio_vs_best_fio"] > 0 for row in rows)
+
+
+def test_help_gives_every_default_and_what_tune_sweeps_and_writes(capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere there is a space
+    for default in (
+        "the default when none of --read, --write, --both is given",
+        "1M or 1M,4M (default: 1M)",
+        "8 or 8,32 (default: 8)",
+        "1 or 1,2 (default: 1)",
+        "(default: 4G)",
+        "median, min and max (default: 3)",
+        "before the timed ones (default: 1)",
+        "(default: the current folder)",
+        "(default: io-size, one tensor)",
+    ):
+        assert default in text
+    assert f"sweep {bench.TUNE_SETTINGS} settings per op" in text and "512K,1M,4M" in text
+    assert f"{bench.tune_write_bytes(4 << 30, 1, 3) / (1 << 30):g} GiB with the defaults" in text
+    assert bench.tune_write_bytes(4 << 30, 1, 3) == (24 * 4 + 1) * (4 << 30)
