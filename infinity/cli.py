@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from infinity import __version__
+
+        print(f"infinity {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "aio-bench":
         from infinity.aio.bench import main as bench_main
