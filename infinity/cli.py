@@ -9,8 +9,9 @@ USAGE = """usage: infinity <command> [options]
 commands:
   aio-bench   measure (and tune) read/write throughput of a disk through the async I/O engine
   ckpt        look into a checkpoint (info) or write it as a plain fp32 state dict (to-fp32)
+  report      check the environment: versions, CUDA, the I/O core, the NVMe folder, memlock, huge pages
 
-Run `infinity <command> --help` for a command's options."""
+Run `infinity <command> --help` for a command's options; `infinity --version` prints the version."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from infinity.checkpoint.cli import main as ckpt_main
 
         return ckpt_main(rest)
+    if command == "report":
+        from infinity.report import main as report_main
+
+        return report_main(rest)
     print(f"infinity: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
