@@ -321,7 +321,8 @@ def probe_io(path: str, *, kernel_aio: bool) -> ProbeResult:
                         settings=loop,
                         path=probe,
                         timeout_s=30.0,
-                    )  # fmt: skip
+                        keep_alive=(out, back),  # the kernel may still use them after a timeout
+                    )
                 )
                 direct = Check("O_DIRECT", f"works on {real} (filesystem {fs}): 4 KiB written and read via kernel AIO")
             except AioError as e:
