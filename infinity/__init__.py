@@ -14,7 +14,19 @@ from infinity.errors import (
     TierBudgetError,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is the one place it is written); a source tree
+    that was never installed has no metadata, hence the fallback."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("infinity")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "AioError",

@@ -84,36 +84,148 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
+# --tune's grid: every combination, for each op measured.
+TUNE_BLOCK_SIZES = (512 << 10, 1 << 20, 4 << 20)
+TUNE_QUEUE_DEPTHS = (8, 32)
+TUNE_INTRA_OP_PARALLELISM = (1, 2)
+TUNE_SINGLE_SUBMIT = (False, True)
+TUNE_SETTINGS = (
+    len(TUNE_BLOCK_SIZES) * len(TUNE_QUEUE_DEPTHS) * len(TUNE_INTRA_OP_PARALLELISM) * len(TUNE_SINGLE_SUBMIT)
+)
+DEFAULT_IO_SIZE = "4G"
+DEFAULT_LOOPS = 3
+DEFAULT_WARMUP = 1
+
+
+def tune_write_bytes(io_size: int, warmup: int, loops: int, reads: bool = True) -> int:
+    """Bytes a --tune run writes: every setting's passes, plus the file written once for the reads."""
+    return TUNE_SETTINGS * (warmup + loops) * io_size + (io_size if reads else 0)
+
+
+def _tune_help() -> str:
+    """--tune's help: the grid and what it writes, from the same constants the sweep uses."""
+    default = parse_size(DEFAULT_IO_SIZE)
+    small = 256 << 20
+    sizes = ",".join(format_size(size) for size in TUNE_BLOCK_SIZES)
+    depths = ",".join(map(str, TUNE_QUEUE_DEPTHS))
+    threads = ",".join(map(str, TUNE_INTRA_OP_PARALLELISM))
+    return (
+        f"sweep {TUNE_SETTINGS} settings per op (block-size {sizes} x queue-depth {depths} x "
+        f"intra-op-parallelism {threads} x single-submit off,on; the options that set these are ignored) "
+        f'and print the best "aio" block. It writes {TUNE_SETTINGS} x (warmup + loops) x io-size, plus '
+        f"io-size once for the reads: {_gib(tune_write_bytes(default, DEFAULT_WARMUP, DEFAULT_LOOPS))} with "
+        f"the defaults, {_gib(tune_write_bytes(small, DEFAULT_WARMUP, DEFAULT_LOOPS))} with --io-size 256M "
+        "(default: off)"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g} GiB"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infinity aio-bench",
-        description="Measure read/write throughput of a file through infinity's async I/O engine.",
+        description="Measure read/write throughput of a file through infinity's async I/O engine. Sizes take "
+        "K, M, G or T (binary: 1K = 1024); a comma list (e.g. --block-size 1M,4M) sweeps every combination. "
+        "GB/s means 1e9 bytes per second.",
     )
-    parser.add_argument("--folder", default=None, help="where the test file goes (default: a temporary folder here)")
-    parser.add_argument("--io-size", type=parse_size, default=parse_size("4G"), help="bytes per request (4G)")
+    parser.add_argument(
+        "--folder",
+        default=None,
+        help="folder on the disk to measure; the test file goes in a temporary subfolder of it, removed at the "
+        "end (default: the current folder)",
+    )
+    parser.add_argument(
+        "--io-size",
+        type=parse_size,
+        default=parse_size(DEFAULT_IO_SIZE),
+        help=f"bytes each pass reads or writes: the size of the test file (default: {DEFAULT_IO_SIZE})",
+    )
     ops = parser.add_mutually_exclusive_group()
-    ops.add_argument("--read", dest="ops", action="store_const", const=("read",))
-    ops.add_argument("--write", dest="ops", action="store_const", const=("write",))
-    ops.add_argument("--both", dest="ops", action="store_const", const=("write", "read"))
-    parser.add_argument("--block-size", type=parse_block_sizes, default=[1 << 20], help="e.g. 1M or 1M,4M")
-    parser.add_argument("--queue-depth", type=parse_positive_ints, default=[8], help="e.g. 8 or 8,32")
-    parser.add_argument("--intra-op-parallelism", type=parse_positive_ints, default=[1], help="threads, e.g. 1,2")
-    parser.add_argument("--single-submit", action="store_true", help="one request per io_submit")
-    parser.add_argument("--no-overlap-events", action="store_true", help="submit a batch, reap it all, repeat")
-    parser.add_argument("--loops", type=parse_positive_int, default=3, help="timed runs per setting (3)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per setting (1)")
-    parser.add_argument("--buffered", action="store_true", help="no O_DIRECT (page cache), for comparison")
+    ops.add_argument(
+        "--read",
+        dest="ops",
+        action="store_const",
+        const=("read",),
+        help="measure reads only (the file is written once first, untimed)",
+    )
+    ops.add_argument("--write", dest="ops", action="store_const", const=("write",), help="measure writes only")
+    ops.add_argument(
+        "--both",
+        dest="ops",
+        action="store_const",
+        const=("write", "read"),
+        help="measure writes, then reads (the default when none of --read, --write, --both is given)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=parse_block_sizes,
+        default=[1 << 20],
+        help="bytes per request, a multiple of 4096, e.g. 1M or 1M,4M (default: 1M)",
+    )
+    parser.add_argument(
+        "--queue-depth",
+        type=parse_positive_ints,
+        default=[8],
+        help="requests in flight per thread, e.g. 8 or 8,32 (default: 8)",
+    )
+    parser.add_argument(
+        "--intra-op-parallelism",
+        type=parse_positive_ints,
+        default=[1],
+        help="threads that split each pass, e.g. 1 or 1,2 (default: 1)",
+    )
+    parser.add_argument(
+        "--single-submit", action="store_true", help="one request per io_submit call (default: off, batches)"
+    )
+    parser.add_argument(
+        "--no-overlap-events",
+        action="store_true",
+        help="submit a batch, reap it all, repeat (default: off, new requests go in as others complete)",
+    )
+    parser.add_argument(
+        "--loops",
+        type=parse_positive_int,
+        default=DEFAULT_LOOPS,
+        help=f"timed passes per setting; the table shows their median, min and max (default: {DEFAULT_LOOPS})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        help=f"untimed passes per setting before the timed ones (default: {DEFAULT_WARMUP})",
+    )
+    parser.add_argument(
+        "--buffered",
+        action="store_true",
+        help="no O_DIRECT (through the page cache), for comparison; reads still come from the disk (default: off)",
+    )
     parser.add_argument(
         "--buffer-size",
         type=parse_size,
         default=None,
-        help="host memory the request streams through (default: io-size, one tensor); fio uses "
-        "block-size x queue-depth per thread",
+        help="host memory the request streams through; fio uses block-size x queue-depth per thread "
+        "(default: io-size, one tensor)",
     )
-    parser.add_argument("--tune", action="store_true", help="sweep a grid and print the best aio block")
-    parser.add_argument("--vs-fio", action="store_true", help="run fio on the same file after each of our runs")
-    parser.add_argument("--json", dest="json_path", default=None, help="write results as JSON here")
-    parser.add_argument("--plot", dest="plot_path", default=None, help="write a PNG bar chart here")
+    parser.add_argument("--tune", action="store_true", help=_tune_help())
+    parser.add_argument(
+        "--vs-fio",
+        action="store_true",
+        help="run fio on the same file after each of our runs; needs fio on PATH (default: off)",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_path",
+        default=None,
+        help="also write the results as JSON to this file, checked before measuring (default: none)",
+    )
+    parser.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        help="also write a PNG bar chart to this file, checked before measuring; needs matplotlib (default: none)",
+    )
     parser.set_defaults(ops=("write", "read"))
     return parser
 
@@ -202,7 +314,7 @@ def format_size(n: int) -> str:
 
 def expand_cases(args: argparse.Namespace) -> list[Case]:
     if args.tune:
-        grid = itertools.product([512 << 10, 1 << 20, 4 << 20], [8, 32], [1, 2], [False, True])
+        grid = itertools.product(TUNE_BLOCK_SIZES, TUNE_QUEUE_DEPTHS, TUNE_INTRA_OP_PARALLELISM, TUNE_SINGLE_SUBMIT)
         return [Case(op, bs, qd, t, ss, True, args.buffered) for bs, qd, t, ss in grid for op in args.ops]
     return [
         Case(op, bs, qd, t, args.single_submit, not args.no_overlap_events, args.buffered)
@@ -254,6 +366,36 @@ def check_folder(folder: str, io_size: int) -> None:
             f"--folder {folder!r} has {free / GB:.2f} GB free, but the test file needs --io-size "
             f"{io_size / GB:.2f} GB + {margin / GB:.2f} GB margin; free space or lower --io-size"
         )
+
+
+def check_output_path(option: str, path: str | None, *, needs_matplotlib: bool = False) -> None:
+    """Refuse a --json/--plot path before measuring: failing only when saving would lose the whole run.
+
+    Writability is asked of the kernel (access(2), which also answers for read-only mounts), so the check
+    leaves no file behind.
+    """
+    if path is None:
+        return
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise BenchError(f"{option} {path!r} is a directory; give a file name inside it")
+    if not os.path.isdir(parent):
+        what = "is not a folder" if os.path.exists(parent) else "does not exist"
+        raise BenchError(f"{option} {path!r}: its folder {parent!r} {what}; create it first or pick another path")
+    if os.path.exists(target):
+        if not os.access(target, os.W_OK):
+            raise BenchError(f"{option} {path!r} exists and is not writable; pick another path")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise BenchError(f"{option} {path!r}: its folder {parent!r} is not writable; pick a folder you can write")
+    if needs_matplotlib:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError(
+                f"{option} needs matplotlib, which is not installed: pip install matplotlib "
+                "(or this package's [bench] extra), or drop the option"
+            ) from None
 
 
 def drop_page_cache(path: str) -> None:
@@ -423,13 +565,53 @@ def run_fio(path: str, case: Case, io_size: int, iomem: str) -> float:
 # ---- output ----
 
 
-def progress(done: int, total: int, label: str) -> None:
+class Progress:
+    """Case-by-case progress on stderr.
+
+    On a terminal, one bar redrawn in place. Anywhere else (a log file, a pipe, CI) carriage-return redraws
+    pile up as clutter, so it writes one line per finished case instead.
+    """
+
     width = 24
-    filled = width * done // max(total, 1)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<44}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = _isatty(self.stream)
+        self._line_open = False  # a bar is drawn and its line not yet ended
+
+    def start(self, index: int, case: Case) -> None:
+        if self.tty:
+            self._draw(index, case.label())
+
+    def finish(self, index: int, row: Row) -> None:
+        if self.tty:
+            if index + 1 == self.total:
+                self._draw(self.total, "done")
+                self.close()
+        else:
+            self.stream.write(f"[{index + 1}/{self.total}] {row.case.label()}: {row.median:.2f} GB/s median\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Ends a half-drawn bar's line, so what is printed next starts on its own line."""
+        if self._line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line_open = False
+
+    def _draw(self, done: int, label: str) -> None:
+        filled = self.width * done // max(self.total, 1)
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} {label:<44}")
+        self.stream.flush()
+        self._line_open = True
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def format_table(rows: list[Row]) -> str:
@@ -449,6 +631,19 @@ def format_table(rows: list[Row]) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def write_cache_note(rows: list[Row]) -> str | None:
+    """A line explaining writes measured faster than reads, only when they are (it would be noise otherwise)."""
+    reads = [row.median for row in rows if row.case.op == "read"]
+    writes = [row.median for row in rows if row.case.op == "write"]
+    if not reads or not writes or max(writes) <= max(reads):
+        return None
+    return (
+        f"writes measured faster than reads ({max(writes):.2f} vs {max(reads):.2f} GB/s, best of each): the "
+        "device's write cache acknowledges writes before they reach the media, so write figures can exceed "
+        "what the device sustains; reads are the honest figure"
+    )
 
 
 def best_settings(rows: list[Row]) -> tuple[Row | None, Row | None, dict]:
@@ -515,28 +710,39 @@ def _fio_version() -> str | None:
 
 
 def run(args: argparse.Namespace, out=None) -> dict:
+    """Measures every case and prints the table; on Ctrl-C or SIGTERM, the rows measured so far.
+
+    The result has ``interrupted`` set when the sweep was cut short (main then exits 130).
+    """
     out = out or sys.stdout
+    check_output_path("--json", args.json_path)
+    check_output_path("--plot", args.plot_path, needs_matplotlib=True)
     folder_parent = args.folder or os.getcwd()
     check_folder(folder_parent, args.io_size)
     cases = expand_cases(args)
     workdir = tempfile.mkdtemp(prefix="infinity-aio-bench-", dir=folder_parent)
     path = os.path.join(workdir, "bench.bin")
     location = describe_location(workdir)
+    measured = os.path.realpath(folder_parent)
     if not location["direct_io"] and not args.buffered:
-        raise BenchError(f"{location['folder']} refuses O_DIRECT ({location['filesystem']}); use --buffered")
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise BenchError(f"{measured} refuses O_DIRECT ({location['filesystem']}); use --buffered")
     use_fio = args.vs_fio and shutil.which("fio") is not None and not args.buffered
     if args.vs_fio and not use_fio:
         reason = "fio is not on PATH (Debian package: fio)" if not shutil.which("fio") else "--buffered runs"
         print(f"note: --vs-fio skipped: {reason}; carrying on without it", file=out)
+    buffer_bytes = min(args.buffer_size or args.io_size, args.io_size)  # as Engine sizes it
     engine = None
     rows: list[Row] = []
+    interrupted = False
+    progress = Progress(len(cases))
     try:
-        engine = Engine(path, args.io_size, args.buffer_size or args.io_size)
+        engine = Engine(path, args.io_size, buffer_bytes)
         if "read" in args.ops:
             engine.prepare_file()
         with HugePageReservation(fio_pages_needed(cases) if use_fio else 0) as huge:
             for index, case in enumerate(cases):
-                progress(index, len(cases), case.label())
+                progress.start(index, case)
                 for _ in range(max(args.warmup, 0)):
                     engine.run(case)
                 row = Row(case, [engine.run(case) for _ in range(args.loops)])
@@ -549,37 +755,56 @@ def run(args: argparse.Namespace, out=None) -> dict:
                             run_fio(path, case, args.io_size, iomem) for _ in range(args.loops)
                         )
                 rows.append(row)
-            progress(len(cases), len(cases), "done")
+                progress.finish(index, row)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through main's handler: report what was measured
+        interrupted = True
     finally:
+        progress.close()
         if engine is not None:
             engine.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(
-        f"file: {path} on {location['device']} ({location['filesystem']}, mounted at "
+        f"measured {measured} ({location['filesystem']} on {location['device']}, mounted at "
         f"{location['mount_point']}), O_DIRECT {'works' if location['direct_io'] else 'refused'}",
         file=out,
     )
     print(
-        f"io-size {format_size(args.io_size)}, host buffer {format_size(engine.buffer_bytes)}, "
+        f"io-size {format_size(args.io_size)}, host buffer {format_size(buffer_bytes)}, "
         f"{args.loops} timed loops after {args.warmup} warm-up",
         file=out,
     )
+    if interrupted:
+        print(
+            f"INTERRUPTED after {len(rows)} of {len(cases)} settings: the rows below are those measured so far; "
+            "the test file was removed",
+            file=out,
+        )
     print(format_table(rows), file=out)
-    for note in sorted({n for row in rows for n in row.fio_notes}):
+    notes = sorted({n for row in rows for n in row.fio_notes})
+    cache_note = write_cache_note(rows)
+    if cache_note:
+        notes.append(cache_note)
+    for note in notes:
         print(f"note: {note}", file=out)
     result = {
         "tool": "infinity aio-bench",
         "units": "GB/s, 1 GB = 1e9 bytes",
+        "measured_folder": measured,
         "io_size": args.io_size,
-        "buffer_bytes": engine.buffer_bytes,
+        "buffer_bytes": buffer_bytes,
         "loops": args.loops,
         "warmup": args.warmup,
         "location": location,
         "environment": environment(),
+        "interrupted": interrupted,
+        "cases_total": len(cases),
+        "notes": notes,
         "rows": [row.as_json() for row in rows],
     }
-    if args.tune:
+    if args.tune and interrupted:
+        print("--tune: the sweep was interrupted, so no aio block is suggested; run it again to the end", file=out)
+    elif args.tune:
         best_read, best_write, block = best_settings(rows)
         if best_read:
             print(f"best read:  {best_read.case.label()}  {best_read.median:.2f} GB/s", file=out)
@@ -589,15 +814,25 @@ def run(args: argparse.Namespace, out=None) -> dict:
         print('"aio": ' + json.dumps(block, indent=2), file=out)
         result["tune"] = {"aio": block}
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.plot_path:
-        write_plot(
-            rows,
-            args.plot_path,
-            f"infinity aio-bench, io-size {format_size(args.io_size)}, "
-            f"{location['filesystem']} on {location['device']}",
-        )
+        try:
+            with open(args.json_path, "w") as f:
+                json.dump(result, f, indent=2)
+        except OSError as e:  # checked up front, so this is a change since (a full disk, a removed folder)
+            raise BenchError(
+                f"--json {args.json_path!r}: cannot write ({e.strerror}); the table above has the results"
+            ) from None
+    if args.plot_path and rows:
+        try:
+            write_plot(
+                rows,
+                args.plot_path,
+                f"infinity aio-bench, io-size {format_size(args.io_size)}, "
+                f"{location['filesystem']} on {location['device']}{', interrupted' if interrupted else ''}",
+            )
+        except OSError as e:
+            raise BenchError(
+                f"--plot {args.plot_path!r}: cannot write ({e.strerror}); the table above has the results"
+            ) from None
     return result
 
 
@@ -610,15 +845,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--buffer-size smaller than --io-size streams through a ring with direct I/O; drop --buffered")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        run(args)
+        result = run(args)
     except (BenchError, ConfigError) as e:
         parser.exit(2, f"infinity aio-bench: error: {e}\n")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside the measuring (setup, or while printing): nothing partial to show
         print("\ninterrupted; the test file was removed", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0
+    return 130 if result["interrupted"] else 0
 
 
 def _raise_interrupt(signum, frame) -> None:
