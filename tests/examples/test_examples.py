@@ -1,0 +1,51 @@
+"""The examples run as a user runs them: each for 3 steps as one process, and the MLP one under torchrun with
+2 processes. Each must exit 0 and print a final ``loss A -> B`` with B < A (the examples are seeded and their
+learning rates are large enough that 3 steps lower the loss every time)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+FINAL = re.compile(r"loss (\S+) -> (\S+)\s*$")
+
+
+def run(command: list[str], cwd: Path, timeout: float) -> str:
+    # One thread per process: the suite shares a few cores. PYTHONPATH: the examples import this checkout.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def assert_loss_fell(stdout: str) -> None:
+    lines = stdout.strip().splitlines()
+    match = FINAL.search(lines[-1]) if lines else None
+    assert match, f"no final 'loss A -> B' line in:\n{stdout[-3000:]}"
+    first, last = float(match[1]), float(match[2])
+    assert math.isfinite(first) and math.isfinite(last), lines[-1]
+    assert last < first, lines[-1]
+
+
+@pytest.mark.parametrize("script", ["train_mlp.py", "hf_causal_lm.py"])
+def test_example_single_process(script, tmp_path):
+    if script == "hf_causal_lm.py":
+        pytest.importorskip("transformers")
+    assert_loss_fell(run([sys.executable, str(EXAMPLES / script), "--steps", "3"], cwd=tmp_path, timeout=120))
+
+
+def test_mlp_example_under_torchrun(tmp_path):
+    # Port 0 for the rendezvous and the master: the OS picks free ones, so parallel runs never collide.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]  # fmt: skip
+    command = [*launcher, str(EXAMPLES / "train_mlp.py"), "--steps", "3"]
+    assert_loss_fell(run(command, cwd=tmp_path, timeout=180))
