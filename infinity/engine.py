@@ -23,6 +23,7 @@ from torch import nn
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import CheckpointError, ConfigError
+from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import return_freed_memory, trim_heap
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers, parameter_shards, tile_numel
@@ -239,6 +240,7 @@ class Engine(nn.Module):
         self.raw_config = dict(raw_config)  # as given: checkpoints record it
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
         self.comm = self.distributed.comm
+        install_default_handler(self.comm.rank)  # steps_per_print lines appear without logging set up (logs.py)
         user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.config: Config = parse_config(
             raw_config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
@@ -297,6 +299,8 @@ class Engine(nn.Module):
         self._backward_pending = False  # a backward whose gradients no step has taken yet
         self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
+        self._window_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # losses since the last report
+        self._window_micro_steps = 0
 
     def _partition(self, torch_optimizer: torch.optim.Optimizer, offload: Offload | None, run_id: str | None) -> None:
         """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
@@ -430,6 +434,8 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         start = time.perf_counter()
+        self._window_loss += loss.detach().double()  # no sync here: read every steps_per_print steps
+        self._window_micro_steps += 1
         scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
         scaled = loss.float() * scale
         self.zero_optimizer.begin_backward(
@@ -475,14 +481,15 @@ class Engine(nn.Module):
 
     def _report(self) -> None:
         elapsed = time.perf_counter() - self._step_started
+        loss = self._window_loss.item() / max(self._window_micro_steps, 1)
+        grad_norm = "n/a" if self.last_grad_norm is None else f"{self.last_grad_norm:.4g}"
         logger.info(
-            "step %d: lr %s, loss scale %g, grad norm %s, %.3f s/step",
-            self.global_steps,
-            [f"{lr:.3g}" for lr in self.get_lr()],
-            self.loss_scale,
-            self.last_grad_norm,
-            elapsed / self.config.steps_per_print,
-        )
+            "step %d: loss %.4f (rank 0, mean of %d micro-steps), lr %s, grad norm %s, loss scale %g, %.3f s/step",
+            self.global_steps, loss, self._window_micro_steps, ", ".join(f"{lr:.3g}" for lr in self.get_lr()),
+            grad_norm, self.loss_scale, elapsed / self.config.steps_per_print,
+        )  # fmt: skip
+        self._window_loss.zero_()
+        self._window_micro_steps = 0
         if self.config.wall_clock_breakdown:
             per_step = {k: v / self.config.steps_per_print for k, v in self._phase_seconds.items()}
             logger.info(

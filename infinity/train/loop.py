@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import infinity
+from infinity.checkpoint.manifest import MANIFEST
 from infinity.errors import CheckpointError
 from infinity.train import models
 from infinity.train.data import token_source
@@ -27,6 +28,14 @@ logger = logging.getLogger("infinity")
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _checkpoint_and_tag(resume: str) -> tuple[str, str | None]:
+    """--resume names a checkpoint folder (its `latest` tag) or one tag folder in it (it holds a manifest)."""
+    if os.path.isfile(os.path.join(resume, MANIFEST)):
+        resume = os.path.abspath(resume)
+        return os.path.dirname(resume), os.path.basename(resume)
+    return resume, None
 
 
 class Run:
@@ -82,7 +91,7 @@ class Run:
         engine = self._build()
         first_step = 0
         if args.resume is not None:
-            path, _ = engine.load_checkpoint(args.resume)
+            path, _ = engine.load_checkpoint(*_checkpoint_and_tag(args.resume))
             if path is None:
                 raise CheckpointError(f"--resume {args.resume!r}: no checkpoint there (no `latest` file)")
             first_step = engine.global_steps

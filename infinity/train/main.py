@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -51,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: the config's, except bf16 becomes fp32 on a CPU without bf16 units")
     parser.add_argument("--save", default=None, help="checkpoint folder: saved at the end (and every --save-every)")
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
-    parser.add_argument("--resume", default=None, help="checkpoint folder to continue from (its `latest` tag)")
+    parser.add_argument("--resume", default=None,
+                        help="checkpoint folder to continue from (its `latest` tag), or one of its tag folders")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data")
+    parser.add_argument("--summary-json", default=None, help="also write the summary (every step's loss) as JSON")
     return parser  # fmt: skip
 
 
@@ -168,6 +171,10 @@ def plan(args: argparse.Namespace) -> Plan:
             raise UsageError(str(e)) from None
     if args.save is not None:
         _check_folder(args.save, "--save")
+    if args.summary_json is not None:
+        folder = os.path.dirname(os.path.abspath(args.summary_json))
+        if not os.path.isdir(folder) or os.path.isdir(args.summary_json):
+            raise UsageError(f"--summary-json {args.summary_json!r}: its folder must exist and it must not be one")
     return Plan(args=args, shape=shape, config=config, world_size=world_size,
                 rank=int(os.environ.get("RANK", "0")), notes=notes, nvme_paths=nvme_paths)  # fmt: skip
 
@@ -222,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
     if the_plan.rank == 0:
         print(summary, flush=True)
+        if args.summary_json is not None:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary.as_dict(), f, indent=2)
     return 0
 
 

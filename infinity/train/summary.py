@@ -96,6 +96,9 @@ class Summary:
                    peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), io=io_sum, blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint)  # fmt: skip
 
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
     def __str__(self) -> str:
         lines = [f"infinity train: done. {self.heading}"]
         if self.losses:

@@ -1,0 +1,29 @@
+"""The `infinity` logger's default handler: a user who configured no logging still sees the engine's
+steps_per_print lines and its warnings, on rank 0 only (every rank repeating them would say nothing new), as
+transformers and DeepSpeed do with their own loggers. Whoever configures logging (a handler on the root logger
+or on `infinity`) keeps full control: then nothing is added."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "infinity"
+
+
+class _DefaultHandler(logging.StreamHandler):
+    """Marks the handler this module added, so it is added once and can be told from a user's."""
+
+
+def install_default_handler(rank: int) -> None:
+    infinity_logger = logging.getLogger(LOGGER_NAME)
+    if infinity_logger.handlers or logging.getLogger().handlers:
+        return  # configured by the user (or by `infinity train`): theirs to decide
+    handler = _DefaultHandler(sys.stderr)
+    prefix = "[infinity]" if rank == 0 else f"[infinity rank {rank}]"
+    handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
+    handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    infinity_logger.addHandler(handler)
+    if infinity_logger.level == logging.NOTSET:
+        infinity_logger.setLevel(logging.INFO)
+    infinity_logger.propagate = False  # a root handler configured later would print each line twice

@@ -1,0 +1,121 @@
+"""`infinity train` as a user runs it: end to end with NVMe offload (real swap files on the real disk), a save and
+an exact resume, Ctrl-C, torchrun with two processes, and bad input (one line, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from infinity.train.main import main as train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NVME_CONFIG = os.path.join(REPO, "configs", "zero3-nvme.json")
+SMALL = ["--model", "gpt2-tiny", "--seq-len", "32", "--micro-batch", "2"]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(args: list[str], *, launcher: list[str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    command = (launcher or [sys.executable, "-m", "infinity"]) + ["train", "--config", NVME_CONFIG, *SMALL, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+
+
+def _swap_left(folder: str) -> list[str]:
+    return [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
+
+
+def test_trains_saves_and_resumes_exactly(tmp_path):
+    swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
+    whole = _train(["--steps", "4", "--nvme-path", str(swap), "--save", str(ckpt), "--save-every", "2",
+                    "--summary-json", str(tmp_path / "whole.json")])  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    out = whole.stdout
+    assert "infinity train: done. gpt2-tiny" in out
+    for line in ("loss ", "peak RSS", "NVMe traffic", "swap files", "I/O waits", f"checkpoint    {ckpt}"):
+        assert line in out, out
+    assert "optimizer read" in out and "parameters read" in out  # both on NVMe, as configs/zero3-nvme.json says
+    assert _swap_left(str(swap)) == [], "the swap files outlived the run"
+    losses = json.loads((tmp_path / "whole.json").read_text())["losses"]
+    assert len(losses) == 4 and abs(losses[0] - math.log(512)) < 0.5  # an untrained model: about ln(vocabulary)
+    assert (ckpt / "latest").read_text().strip() == "global_step4" and os.path.isdir(ckpt / "global_step2")
+
+    resumed = _train(["--steps", "4", "--nvme-path", str(swap), "--resume", str(ckpt / "global_step2"),
+                      "--summary-json", str(tmp_path / "resumed.json")])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((tmp_path / "resumed.json").read_text())
+    assert after["first_step"] == 2
+    assert after["losses"] == losses[2:]  # the same batches and states: the same losses, bit for bit
+    assert _swap_left(str(swap)) == []
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    swap = tmp_path / "swap"
+    command = [sys.executable, "-m", "infinity", "train", "--config", NVME_CONFIG, *SMALL, "--steps", "100000",
+               "--nvme-path", str(swap)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 180
+    while sum(os.path.basename(path) == "swap" for path in _swap_left(str(swap))) < 3:  # the engine is built
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the run never started training: {process.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    time.sleep(1.5)  # into the loop
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted after" in err, err[-3000:]
+    assert _swap_left(str(swap)) == []
+
+
+def test_torchrun_two_processes_one_summary(tmp_path):
+    swap = tmp_path / "swap"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "infinity"]  # fmt: skip
+    run = _train(["--steps", "2", "--nvme-path", str(swap)], launcher=launcher)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("infinity train: done.") == 1  # rank 0 speaks for the run
+    assert "world size 2" in run.stdout
+    assert _swap_left(str(swap)) == []
+
+
+def _bad(capsys, *argv: str) -> str:
+    code = train_main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    assert "--model 'gpt5'" in _bad(capsys, "--config", NVME_CONFIG, "--model", "gpt5")
+    assert "does not exist" in _bad(capsys, "--config", str(tmp_path / "missing.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimzer": {"type": "AdamW"}}))
+    assert "did you mean optimizer" in _bad(capsys, "--config", str(broken))
+    broken.write_text("{not json")
+    assert "not valid JSON" in _bad(capsys, "--config", str(broken))
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert "--nvme-path" in _bad(capsys, "--config", NVME_CONFIG, "--nvme-path", str(a_file / "sub"))
+    assert "--steps 0" in _bad(capsys, "--config", NVME_CONFIG, "--steps", "0", "--nvme-path", str(tmp_path))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    assert "--data" in _bad(capsys, "--config", NVME_CONFIG, "--data", str(short), "--nvme-path", str(tmp_path))
+    assert "nvme_path" in _bad(capsys, "--config", NVME_CONFIG, "--nvme-path", "")
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_named_models_build_on_meta(name):
+    from infinity.train import models
+
+    assert 1e6 < models.count_parameters(models.CATALOG[name]) < 1e7
