@@ -8,6 +8,7 @@ USAGE = """usage: infinity <command> [options]
 
 commands:
   train       train a model it builds from a named shape (no download), with NVMe offload, progress and a summary
+  estimate    bytes per rank on each tier for a model and a config, and the largest model this machine holds
   aio-bench   measure (and tune) read/write throughput of a disk through the async I/O engine
   ckpt        look into a checkpoint (info) or write it as a plain fp32 state dict (to-fp32)
   report      check the environment: versions, CUDA, the I/O core, the NVMe folder, memlock, huge pages
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from infinity.train.main import main as train_main
 
         return train_main(rest)
+    if command == "estimate":
+        from infinity.estimate import main as estimate_main
+
+        return estimate_main(rest)
     if command == "aio-bench":
         from infinity.aio.bench import main as bench_main
 

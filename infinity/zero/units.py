@@ -173,7 +173,7 @@ def stage3_runtime(param: nn.Parameter):
     return None if reference is None else reference()
 
 
-def _owners(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+def parameter_owners(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
     """(path, module, parameters it owns): each parameter once, at its first registration."""
     seen: set[int] = set()
     owners = []
@@ -200,7 +200,7 @@ def build_units(
     """Partitions ``model`` into units: the layout, the shard's home (``make_shards(layout, persistent units)``)
     and which modules use which units. No values move yet: the parameters keep theirs until ``fill_units``, so
     the optimizer's tiles can be made first and take their masters one unit at a time."""
-    owners = _owners(model)
+    owners = parameter_owners(model)
     persistent: list[nn.Parameter] = []
     per_module: list[tuple[str, list[nn.Parameter]]] = []
     persistent_numel = 0

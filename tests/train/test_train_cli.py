@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,7 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     losses = json.loads((tmp_path / "whole.json").read_text())["losses"]
     assert len(losses) == 4 and abs(losses[0] - math.log(512)) < 0.5  # an untrained model: about ln(vocabulary)
     assert (ckpt / "latest").read_text().strip() == "global_step4" and os.path.isdir(ckpt / "global_step2")
+    _estimate_within_15_percent(json.loads((tmp_path / "whole.json").read_text()))
 
     resumed = _train(["--steps", "4", "--nvme-path", str(swap), "--resume", str(ckpt / "global_step2"),
                       "--summary-json", str(tmp_path / "resumed.json")])  # fmt: skip
@@ -55,6 +57,29 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert after["first_step"] == 2
     assert after["losses"] == losses[2:]  # the same batches and states: the same losses, bit for bit
     assert _swap_left(str(swap)) == []
+
+
+def _estimate_within_15_percent(measured: dict) -> None:
+    """infinity estimate's host RSS and swap bytes for the run above, against that run's own summary (peak RSS of
+    the process, bytes of its swap files)."""
+    import argparse
+
+    from infinity.estimate import plan_estimate, runtime_bytes
+    from infinity.memory.budget import Where
+    from infinity.train import models
+    from infinity.train.main import _apply_dtype
+
+    raw = json.loads(Path(NVME_CONFIG).read_text())
+    raw["train_micro_batch_size_per_gpu"] = 2
+    _apply_dtype(raw, "auto", [])
+    shape = models.CATALOG["gpt2-tiny"]
+    result, _ = plan_estimate(shape, raw, argparse.Namespace(world_size=1, seq_len=32))
+    runtime = runtime_bytes(shape, raw)
+    assert runtime is not None
+    predicted_rss = result.host_bytes(cuda=False) + runtime
+    assert abs(predicted_rss - measured["peak_rss_max"]) <= 0.15 * measured["peak_rss_max"], (predicted_rss, measured)
+    held = measured["io"]["held_nvme"]
+    assert abs(result.total(Where.NVME) - held) <= 0.15 * held, (result.total(Where.NVME), held)
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
@@ -119,3 +144,4 @@ def test_named_models_build_on_meta(name):
     from infinity.train import models
 
     assert 1e6 < models.count_parameters(models.CATALOG[name]) < 1e7
+

@@ -1,0 +1,227 @@
+"""`infinity estimate`: bytes per rank on each tier (device, host pinned, host other, NVMe) for a named model and
+a config, before anything runs, and the largest model of its family that this machine's RAM and free disk hold
+under that config. The arithmetic is infinity/memory/budget.py's; this module describes the model (built on
+the meta device: nothing is allocated), measures the runtime's own footprint, and prints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from infinity.config import AutoValues, ConfigError, load_json, parse_config
+from infinity.memory.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
+
+GIB = 1 << 30
+PROG = "infinity estimate"
+# What a training process holds whatever its model's size: Python, torch, transformers with the model's own code,
+# and the engine's fixed machinery (process group, I/O threads, allocator arenas, code paths imported on first
+# use), measured by training the same kind of model shrunk to a negligible size (one layer of width 64) for two
+# steps under the same config, in a fresh process, with any swap files in a temporary folder.
+RUNTIME_PROBE = """
+import json, os, sys, tempfile
+import torch, infinity
+from transformers import AutoConfig, AutoModelForCausalLM
+fields, config = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+with tempfile.TemporaryDirectory() as folder:
+    for key in ("offload_param", "offload_optimizer"):
+        section = config.get("zero_optimization", {}).get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            section["nvme_path"] = folder
+    model_config = AutoConfig.for_model(**fields)
+    if config.get("zero_optimization", {}).get("stage") == 3:
+        with infinity.zero.Init(config=config):
+            model = AutoModelForCausalLM.from_config(model_config)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config)
+    engine, *_ = infinity.initialize(model=model, config=config)
+    for _ in range(2):
+        tokens = torch.randint(0, model_config.vocab_size, (engine.train_micro_batch_size_per_gpu(), 16))
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+    engine.destroy()
+print(int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024)  # the peak, as a run's summary
+"""
+# The probe's model: the same kind, every size field shrunk (whichever of these names the config uses).
+SHRUNK = {"hidden_size": 64, "n_embd": 64, "num_hidden_layers": 1, "n_layer": 1, "num_attention_heads": 2, "n_head": 2,
+          "num_key_value_heads": 1, "intermediate_size": 128, "vocab_size": 128, "head_dim": 32}  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", default="gpt2-tiny",
+                        help="a named model (see infinity train --help) or a config .json")  # fmt: skip
+    parser.add_argument("--config", required=True, help="the DeepSpeed-style JSON config the run would use")
+    parser.add_argument("--world-size", type=int, default=1, help="ranks (all on this machine, for the fit)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the config's")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                        help="as infinity train chooses it")
+    parser.add_argument("--nvme-path", default=None, help="where the swap files would go (for the free-space fit)")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the estimate as JSON")
+    return parser  # fmt: skip
+
+
+def describe(shape) -> tuple[list[Owner], Architecture]:
+    """The parameter owners of the model built on the meta device, and its transformer dimensions."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infinity.train.models import hf_config
+    from infinity.zero.units import parameter_owners
+
+    config = hf_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    owners = [Owner(path=path, numels=tuple(p.numel() for p in params),
+                    trainable=tuple(p.requires_grad for p in params))
+              for path, _, params in parameter_owners(model) if params]  # fmt: skip
+
+    def get(*names: str) -> int:
+        return next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), 0)
+
+    hidden = get("hidden_size", "n_embd")
+    arch = Architecture(hidden=hidden, layers=get("num_hidden_layers", "n_layer"),
+                        heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"),
+                        intermediate=get("intermediate_size", "n_inner") or 4 * hidden)  # fmt: skip
+    return owners, arch
+
+
+def runtime_bytes(shape, raw: dict) -> int | None:
+    """Resident bytes of the fixed part of a run, measured in a fresh process (RUNTIME_PROBE); None if it fails."""
+    fields = {k: v for k, v in shape.fields.items() if k not in ("architectures", "transformers_version")}
+    fields.update({k: v for k, v in SHRUNK.items() if k in fields})
+    fields.update(bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    config = json.loads(json.dumps(raw))
+    config["train_micro_batch_size_per_gpu"] = 2
+    config.pop("train_batch_size", None)
+    config.pop("gradient_accumulation_steps", None)
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    env.pop("MASTER_ADDR", None)
+    done = subprocess.run([sys.executable, "-c", RUNTIME_PROBE, json.dumps(fields), json.dumps(config)],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    try:
+        return int(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def host_available() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def _momentum_states(raw: dict) -> int:
+    optimizer = raw.get("optimizer") or {}
+    kind = str(optimizer.get("type", "adamw")).lower()
+    if kind == "sgd":
+        return 1 if float((optimizer.get("params") or {}).get("momentum", 0) or 0) else 0
+    return 2
+
+
+def plan_estimate(shape, raw: dict, args, *, owners_arch=None, available: int | None = None) -> tuple[Estimate, dict]:
+    """The estimate for one model under the config (raw, with the command line's overrides)."""
+    import torch
+
+    owners, arch = owners_arch or describe(shape)
+    config = parse_config(raw, world_size=args.world_size, auto=AutoValues(hidden_size=arch.hidden or None))
+    width = 2 if (config.bf16.enabled or config.fp16.enabled) else 4
+    run = RunShape(world_size=args.world_size, micro_batch=config.train_micro_batch_size_per_gpu,
+                   seq_len=args.seq_len, dtype_bytes=width,
+                   host_available=available if available is not None else host_available())  # fmt: skip
+    return estimate(owners, arch, config, run, cuda=torch.cuda.is_available(), momentum_states=_momentum_states(raw)), {
+        "micro_batch": run.micro_batch, "dtype_bytes": width, "stage": config.zero.stage}
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:8.3f} GiB"
+
+
+def _nvme_folder(raw: dict, override: str | None) -> str | None:
+    zero = raw.get("zero_optimization") or {}
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key)
+        if isinstance(section, dict) and section.get("device") == "nvme":
+            return override or section.get("nvme_path")
+    return None
+
+
+def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | None) -> bool:
+    import torch
+
+    host = (result.host_bytes(cuda=torch.cuda.is_available()) + runtime) * ranks
+    nvme = result.total(Where.NVME) * ranks
+    return host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from infinity.train import models
+    from infinity.train.main import _apply_dtype, _quiet_transformers
+
+    _quiet_transformers()
+    if args.world_size < 1:
+        print(f"{PROG}: error: --world-size {args.world_size}: at least 1", file=sys.stderr)
+        return 2
+    try:
+        shape = models.resolve(args.model)
+        raw = load_json(args.config)
+    except (models.UnknownModelError, ConfigError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if args.micro_batch is not None:
+        raw["train_micro_batch_size_per_gpu"] = args.micro_batch
+        raw.pop("train_batch_size", None)
+    notes: list[str] = []
+    _apply_dtype(raw, args.dtype, notes)
+    try:
+        result, facts = plan_estimate(shape, raw, args)
+    except ConfigError as e:
+        print(f"{PROG}: error: --config {args.config}: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    cuda = torch.cuda.is_available()
+    measured = runtime_bytes(shape, raw)
+    runtime = measured or 0
+    host = result.host_bytes(cuda=cuda)
+    lines = [f"{shape.name}: {result.numel / 1e6:,.1f}M parameters ({result.trainable_numel / 1e6:,.1f}M trainable), "
+             f"ZeRO stage {facts['stage']}, world size {args.world_size}, {facts['dtype_bytes']}-byte compute dtype, "
+             f"micro-batch {facts['micro_batch']} x {args.seq_len} tokens; per rank:"]  # fmt: skip
+    lines += [f"  {n}" for n in notes]
+    for category in ("model states", "buffers", "activations"):
+        for row in (r for r in result.rows if r.category == category):
+            lines.append(f"  {category:13} {row.where.value:12} {_gib(row.nbytes)}  {row.what}")
+    lines.append("  totals        " + ", ".join(f"{w.value} {result.total(w) / GIB:.3f} GiB" for w in Where))
+    device = "" if cuda else " (no CUDA: the device is the host)"
+    fixed = (f"{runtime / GIB:.3f} GiB runtime (python, torch, transformers, the engine: measured)" if measured
+             else "the runtime (could not be measured)")  # fmt: skip
+    lines.append(f"  host RSS      {_gib(host + runtime)}  = {host / GIB:.3f} GiB for the run{device} + {fixed}")
+    ram = host_available()
+    folder = _nvme_folder(raw, args.nvme_path)
+    disk = shutil.disk_usage(folder if folder and os.path.isdir(folder) else ".").free if folder else None
+    family = [m for m in models.family_members(shape.family)] if shape.name in models.CATALOG else []
+    largest = None
+    for member in family:
+        member_result, _ = plan_estimate(member, raw, args)
+        if fits(member_result, runtime=runtime, ranks=args.world_size, ram=ram, disk=disk):
+            largest = member.name
+    where = f" and {disk / GIB:.1f} GiB free under {folder}" if disk is not None else ""
+    if not family:
+        verdict = "(a model from a file: no family to walk)"
+    else:
+        verdict = f"largest {shape.family} that fits: {largest}" if largest else f"no {shape.family} fits"
+    lines.append(f"  this machine  {ram / GIB:.1f} GiB RAM available{where}, for {args.world_size} rank(s): {verdict}")
+    print("\n".join(lines))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"model": shape.name, "numel": result.numel, "runtime_bytes": runtime, "host_bytes": host,
+                       "tiers": {w.value: result.total(w) for w in Where}, "largest_fitting": largest,
+                       "rows": [{"category": r.category, "what": r.what, "where": r.where.value, "bytes": r.nbytes}
+                                for r in result.rows]}, f, indent=2)  # fmt: skip
+    return 0

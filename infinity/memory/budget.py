@@ -1,0 +1,237 @@
+"""Memory estimate: bytes per rank on each tier for a model and a config, before anything runs.
+
+Pure planning (no tensors, no processes): the model is described by its parameter owners (taken from a model
+built on the meta device), and the engine's own layout math (partition.layout_from_runs: units, padding,
+pieces) gives the stage-3 sizes, so the estimate follows the code. What it counts, per rank:
+- model states: the compute-dtype parameters (whole at stages 0-2; the rank's pieces at stage 3, plus the
+  persistent small ones whole), the fp32 masters (in fp32 without optimizer offload the weights themselves are
+  the masters: no copy), the optimizer states (Adam 2, SGD with momentum 1 fp32 per element), the reduced fp32
+  gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names;
+- buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
+  the NVMe staging rings (buffer_count x the largest piece within the staging budget; the optimizer's ring of
+  tiles, and the gradient's ring when the gradient goes to NVMe with the optimizer);
+- activations, an estimate for a transformer decoder: per layer and token h x (34 + 5 a s / h) bytes in
+  16-bit (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), scaled to the
+  compute dtype and the MLP's width, plus the logits (compute dtype, the loss's fp32 copy and its gradient);
+- the runtime: the resident bytes of a Python process that has imported torch and transformers, measured by the
+  caller (not part of the model's budget, but part of what a run's peak RSS shows).
+
+On a machine without CUDA the "device" is the host: device bytes are host RAM."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from infinity.config import Config
+from infinity.memory.offload import MIN_TILE_NUMEL, STAGING_BUDGET_BYTES
+from infinity.zero.partition import layout_from_runs
+
+NVME_ALIGN = 4096  # each segment of a swap file starts on a 4 KiB boundary
+
+
+class Where(enum.Enum):
+    DEVICE = "device"
+    HOST_PINNED = "host pinned"
+    HOST = "host other"
+    NVME = "nvme"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Owner:
+    """One module's own parameters (a tied weight counted at its first owner): the grain of stage 3's units."""
+
+    path: str
+    numels: tuple[int, ...]
+    trainable: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Architecture:
+    """What the activation estimate needs; zeros where the model is not a transformer decoder."""
+
+    hidden: int = 0
+    layers: int = 0
+    heads: int = 0
+    vocab: int = 0
+    intermediate: int = 0  # the MLP's width (4 h for GPT-2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunShape:
+    world_size: int
+    micro_batch: int
+    seq_len: int
+    dtype_bytes: int  # the compute dtype's
+    host_available: int  # bytes: the engine caps its host caches (max_in_cpu, tiles) at a quarter of it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    category: str  # "model states" | "buffers" | "activations"
+    what: str
+    where: Where
+    nbytes: int
+
+
+@dataclasses.dataclass(kw_only=True)
+class Estimate:
+    rows: list[Row]
+    numel: int
+    trainable_numel: int
+
+    def total(self, where: Where) -> int:
+        return sum(row.nbytes for row in self.rows if row.where is where)
+
+    def host_bytes(self, *, cuda: bool) -> int:
+        """What the run adds to host RSS: both host tiers, and the device's too where the device is the host."""
+        host = self.total(Where.HOST_PINNED) + self.total(Where.HOST)
+        return host if cuda else host + self.total(Where.DEVICE)
+
+
+def _home(device: str, pinned: bool, *, cuda: bool) -> Where:
+    if device == "nvme":
+        return Where.NVME
+    if device == "cpu":
+        return Where.HOST_PINNED if pinned and cuda else Where.HOST
+    return Where.DEVICE
+
+
+def _stage3_units(owners: list[Owner], config: Config, world_size: int):
+    """(persistent numel, [(unit numel, piece numel)]) with the engine's rule and padding (zero/units.py)."""
+    zero = config.zero
+    persistent, per_module = [], []
+    persistent_numel = 0
+    for owner in owners:
+        kept = []
+        for numel in owner.numels:
+            if (numel <= zero.stage3_param_persistence_threshold
+                    and persistent_numel + numel <= zero.stage3_model_persistence_threshold):  # fmt: skip
+                persistent.append(numel)
+                persistent_numel += numel
+            else:
+                kept.append(numel)
+        if kept:
+            per_module.append(kept)
+    groups = ([persistent] if persistent else []) + per_module
+    numels, runs = [], []
+    for group in groups:
+        runs.append(list(range(len(numels), len(numels) + len(group))))
+        numels += group
+    layout = layout_from_runs(0, numels, runs, world_size=world_size)
+    buckets = list(layout.buckets)
+    persistent_bucket = buckets.pop(0) if persistent else None
+    units = [(b.padded_numel, b.piece_numel) for b in buckets]
+    return persistent_bucket.padded_numel if persistent_bucket else 0, units
+
+
+def _round(nbytes: int, align: int = NVME_ALIGN) -> int:
+    return -(-nbytes // align) * align
+
+
+def _activations(arch: Architecture, shape: RunShape) -> list[Row]:
+    if not arch.layers:
+        return []
+    s, b, h, a = shape.seq_len, shape.micro_batch, arch.hidden, arch.heads
+    mlp = (arch.intermediate or 4 * h) / (4 * h)
+    per_layer_16bit = s * b * h * (15 + 19 * mlp) + 5 * a * s * s * b  # 34 sbh + 5 a s^2 b at a 4h MLP
+    layers = int(arch.layers * per_layer_16bit * shape.dtype_bytes / 2)
+    logits = s * b * arch.vocab * (shape.dtype_bytes + 4 + 4)
+    return [Row("activations", f"{arch.layers} layers x {b} x {s} tokens (estimate)", Where.DEVICE, layers),
+            Row("activations", "logits, their fp32 copy for the loss and its gradient", Where.DEVICE, logits)]
+
+
+def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: RunShape, *, cuda: bool,
+             momentum_states: int = 2) -> Estimate:  # fmt: skip
+    """Bytes per rank on each tier. ``momentum_states``: fp32 optimizer states per element (Adam 2, SGD 1 or 0)."""
+    zero, n, width = config.zero, shape.world_size, shape.dtype_bytes
+    numel = sum(sum(o.numels) for o in owners)
+    trainable = sum(x for o in owners for x, t in zip(o.numels, o.trainable, strict=True) if t)
+    rows: list[Row] = []
+    offload_opt, offload_param = zero.offload_optimizer, zero.offload_param
+    opt_home = _home(offload_opt.device, offload_opt.pin_memory, cuda=cuda)
+    share = trainable if zero.stage == 0 else -(-trainable // n)  # elements of the optimizer this rank holds
+
+    # ---- parameters ----
+    if zero.stage == 3:
+        persistent, units = _stage3_units(owners, config, n)
+        param_home = _home(offload_param.device, offload_param.pin_memory, cuda=cuda)
+        pieces = [piece for _, piece in units]
+        if param_home is Where.NVME:
+            cap = min(offload_param.max_in_cpu, shape.host_available // 4 // width)
+            kept, total = [], 0  # the engine's rule: pieces in the model's order while they fit (zero/shards.py)
+            for piece in pieces:
+                fits = cap > 0 and total + piece <= cap
+                kept.append(fits)
+                total += piece if fits else 0
+            on_nvme = sum(_round(p * width) for p, k in zip(pieces, kept, strict=True) if not k)
+            rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", Where.NVME, on_nvme))
+            if total:
+                rows.append(Row("model states", "parameter pieces kept in host memory (max_in_cpu)",
+                                _home("cpu", offload_param.pin_memory, cuda=cuda), total * width))  # fmt: skip
+            count = max(offload_param.buffer_count, 1)
+            cap_bytes = STAGING_BUDGET_BYTES // count
+            if offload_param.buffer_size:
+                cap_bytes = min(cap_bytes, offload_param.buffer_size * width)
+            fitting = [p * width for p in pieces if p * width <= cap_bytes]
+            ring = count * (max(fitting) if fitting else cap_bytes)
+            rows.append(Row("buffers", f"parameter staging ring ({count} buffers)",
+                            _home("cpu", offload_param.pin_memory, cuda=cuda), ring))  # fmt: skip
+        else:
+            rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", param_home,
+                            sum(pieces) * width))  # fmt: skip
+        if persistent:
+            rows.append(Row("model states", "persistent parameters (whole on every rank)", Where.DEVICE,
+                            persistent * width))  # fmt: skip
+        largest_unit = max((u for u, _ in units), default=0)
+        live = min(sum(u for u, _ in units), max(zero.stage3_max_live_parameters, largest_unit))
+        rows.append(Row("buffers", "gathered units (stage3_max_live_parameters, or the whole model)", Where.DEVICE,
+                        live * width))  # fmt: skip
+    else:
+        rows.append(Row("model states", "parameters (whole on every rank)", Where.DEVICE, numel * width))
+
+    # ---- fp32 masters and optimizer states ----
+    masters_are_weights = width == 4 and not offload_opt.enabled
+    if not masters_are_weights:
+        rows.append(Row("model states", "fp32 master weights", opt_home, share * 4))
+    if momentum_states:
+        rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
+                        share * 4 * momentum_states))  # fmt: skip
+
+    # ---- gradients ----
+    grad_on_nvme = zero.stage == 3 and offload_opt.device == "nvme"
+    if zero.stage <= 1:
+        rows.append(Row("model states", "fp32 gradient buffers (whole: all-reduced at the boundary)", Where.DEVICE,
+                        trainable * 4))  # fmt: skip
+        if zero.stage == 1:
+            rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", opt_home, share * 4))
+    else:
+        home = Where.NVME if grad_on_nvme else (opt_home if offload_opt.enabled else Where.DEVICE)
+        grad_bytes = share * 4 if not grad_on_nvme else _round(share * 4)
+        rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", home, grad_bytes))
+        if zero.stage == 2:
+            in_flight = min(trainable, 2 * zero.reduce_bucket_size)
+            rows.append(Row("buffers", "gradient buckets in flight", Where.DEVICE, in_flight * 4))
+        else:
+            largest = max((u for u, _ in _stage3_units(owners, config, n)[1]), default=0)
+            rows.append(Row("buffers", "gradient bucket of the unit in flight", Where.DEVICE, 2 * largest * 4))
+
+    # ---- the optimizer's NVMe rings ----
+    if offload_opt.device == "nvme":
+        count = max(offload_opt.buffer_count, 3)
+        width_states = 1 + momentum_states + (1 if grad_on_nvme else 0)
+        budget = min(STAGING_BUDGET_BYTES, shape.host_available // 4)
+        # tiles never cross a unit (stage 3) or a bucket (stages 1-2): the ring's buffers are the largest tile
+        if zero.stage == 3:
+            largest_run = max((piece for _, piece in _stage3_units(owners, config, n)[1]), default=share)
+        else:
+            largest_run = min(share, -(-zero.reduce_bucket_size // n))
+        tile = min(zero.sub_group_size, max(budget // (count * width_states * 4), MIN_TILE_NUMEL), largest_run)
+        ring_home = _home("cpu", offload_opt.pin_memory, cuda=cuda)
+        rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
+                        count * tile * (1 + momentum_states) * 4))  # fmt: skip
+        if grad_on_nvme:
+            rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
+
+    rows += _activations(arch, shape)
+    return Estimate(rows=rows, numel=numel, trainable_numel=trainable)
