@@ -1,8 +1,10 @@
-"""infinity: ZeRO-Infinity memory tiers (device, host, NVMe) for PyTorch training."""
+"""infinity: ZeRO-Infinity memory tiers (device, host, NVMe) for PyTorch training.
 
-from infinity.aio import AioHandle, AioRequest, AioSettings
-from infinity.config import Config, parse_config
-from infinity.engine import Engine, initialize
+The public names load on first use (PEP 562): `import infinity` alone does not load the compiled I/O core or
+torch, so `infinity report` and `infinity --version` still run where the core failed to build, and say so."""
+
+import importlib
+
 from infinity.errors import (
     AioError,
     AioTimeoutError,
@@ -28,6 +30,28 @@ def _version() -> str:
 
 __version__ = _version()
 
+_LAZY = {
+    "AioHandle": "infinity.aio",
+    "AioRequest": "infinity.aio",
+    "AioSettings": "infinity.aio",
+    "Config": "infinity.config",
+    "parse_config": "infinity.config",
+    "Engine": "infinity.engine",
+    "initialize": "infinity.engine",
+}
+
+
+def __getattr__(name: str):
+    if name == "zero":
+        value = importlib.import_module("infinity.zero")
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'infinity' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "AioError",
     "AioHandle",
@@ -44,4 +68,5 @@ __all__ = [
     "initialize",
     "parse_config",
     "TierBudgetError",
+    "zero",
 ]

@@ -404,7 +404,10 @@ def check_memlock() -> Check:
 def check_pinning(cuda: bool) -> Check:
     """Lock one small host buffer the way the engine does (infinity.aio.buffers.allocate_host_buffer):
     cudaHostRegister with CUDA, else mlock."""
-    from infinity.aio.buffers import HugePagePolicy, allocate_host_buffer
+    try:
+        from infinity.aio.buffers import HugePagePolicy, allocate_host_buffer
+    except ImportError as e:  # the package imports the I/O core; its own row says why it is missing
+        return Check("pinned memory", f"{NOT_TESTED}: {e}", Level.WARN, "rebuild the I/O core (see above)")
 
     how = "cudaHostRegister" if cuda else "mlock"
     try:

@@ -1,0 +1,61 @@
+"""`infinity estimate` prints what it promises: rows per tier, the totals, the host RSS with the runtime, and the
+largest model of the family that fits; the arithmetic follows the engine's layout (against a real run: see
+test_train_cli.py); bad input is one line and exit code 2."""
+
+import os
+
+import pytest
+
+from infinity import estimate as estimate_cli
+from infinity.memory.budget import Where
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_prints_tiers_rss_and_the_largest_fitting_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(estimate_cli, "runtime_bytes", lambda shape, raw: 300 << 20)  # measured in the other test
+    code = estimate_cli.main(["--model", "gpt2-small", "--config", os.path.join(REPO, "configs", "zero3-nvme.json"),
+                              "--nvme-path", str(tmp_path), "--json", str(tmp_path / "e.json")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "gpt2-small: 124.4M parameters" in out
+    rows = ("parameter pieces", "fp32 master weights", "optimizer states", "parameter staging ring", "gathered units",
+            "activations", "host RSS", "0.293 GiB runtime", "largest gpt2 that fits")
+    for row in rows:
+        assert row in out, out
+    assert (tmp_path / "e.json").exists()
+
+
+def test_world_size_divides_the_states():
+    import argparse
+    import json
+    from pathlib import Path
+
+    from infinity.train import models
+
+    raw = json.loads(Path(REPO, "configs", "zero3-nvme.json").read_text())
+    raw["bf16"] = {"enabled": False}  # fp32 weights
+    shape = models.CATALOG["gpt2-small"]
+    described = estimate_cli.describe(shape)
+
+    def at(world_size: int):
+        args = argparse.Namespace(world_size=world_size, seq_len=128)
+        return estimate_cli.plan_estimate(shape, raw, args, owners_arch=described)[0]
+
+    one, two = at(1), at(2)
+    assert two.total(Where.NVME) == pytest.approx(one.total(Where.NVME) / 2, rel=0.01)
+    # 124.4M parameters x (4 bytes of weights + 12 of master and Adam states + 4 of gradient), on NVMe
+    assert one.total(Where.NVME) == pytest.approx(124.4e6 * 20, rel=0.01)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt5"], "--model 'gpt5'"),
+    (["--config", "missing.json"], "does not exist"),
+    (["--world-size", "0"], "--world-size 0"),
+])  # fmt: skip
+def test_bad_input(argv, message, capsys):
+    config = os.path.join(REPO, "configs", "zero2.json")
+    args = ["--config", config, *argv] if "--config" not in argv else argv
+    assert estimate_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

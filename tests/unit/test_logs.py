@@ -1,0 +1,47 @@
+"""The `infinity` logger reaches a user who configured no logging (rank 0: info, other ranks: warnings only), and
+stays out of the way of one who did."""
+
+import contextlib
+import logging
+
+from infinity.logs import install_default_handler
+
+
+@contextlib.contextmanager
+def bare_logging():
+    """No handler anywhere, as in a plain script (pytest's capture handlers, added for the test's call phase, set
+    aside meanwhile)."""
+    root, ours = logging.getLogger(), logging.getLogger("infinity")
+    saved = (root.handlers[:], ours.handlers[:], ours.level, ours.propagate)
+    root.handlers[:], ours.handlers[:] = [], []
+    ours.setLevel(logging.NOTSET)
+    try:
+        yield ours
+    finally:
+        root.handlers[:], ours.handlers[:] = saved[0], saved[1]
+        ours.setLevel(saved[2])
+        ours.propagate = saved[3]
+
+
+def test_rank_0_sees_the_engine_lines(capsys):
+    with bare_logging() as logger:
+        install_default_handler(0)
+        install_default_handler(0)  # a second engine adds nothing
+        assert len(logger.handlers) == 1
+        logger.info("step 10: loss 1.0")
+    assert capsys.readouterr().err == "[infinity] step 10: loss 1.0\n"
+
+
+def test_other_ranks_only_warn(capsys):
+    with bare_logging() as logger:
+        install_default_handler(1)
+        logger.info("step 10: loss 1.0")
+        logger.warning("module order changed")
+    assert capsys.readouterr().err == "[infinity rank 1] module order changed\n"
+
+
+def test_configured_logging_is_left_alone():
+    with bare_logging() as logger:
+        logging.getLogger().addHandler(logging.NullHandler())
+        install_default_handler(0)
+        assert logger.handlers == [] and logger.propagate
