@@ -51,9 +51,12 @@ def load_config(path: str, nvme_path: str | None, steps: int) -> dict:
             section["nvme_path"] = nvme_path
     if not torch.cuda.is_available() and config.get("bf16", {}).get("enabled"):
         config["bf16"] = {"enabled": False}  # fp32 on the CPU: without bf16 units its bf16 matmuls are slower
-    config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = LR
-    if "scheduler" in config:  # the configs warm up over 100 steps: far too long for this run
+    config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = LR
+    if "scheduler" in config:  # the configs' warmups are sized for longer runs
         config["scheduler"]["params"].update(warmup_max_lr=LR, warmup_num_steps=max(1, min(10, steps // 10)))
+    # The engine's own line (loss, lr, grad norm, loss scale, step time, NVMe traffic) every few steps, through
+    # the `infinity` logger: it prints on rank 0 without any logging set up here.
+    config["steps_per_print"] = max(1, steps // 5)
     if zero.get("stage") == 3:  # this model is tiny: partition all but the smallest parameters (biases, norms)
         zero["stage3_param_persistence_threshold"] = 1000
     return config

@@ -42,8 +42,8 @@ def load_config(path: str, nvme_path: str | None, steps: int) -> dict:
             section["nvme_path"] = nvme_path
     if not torch.cuda.is_available() and config.get("bf16", {}).get("enabled"):
         config["bf16"] = {"enabled": False}  # fp32 on the CPU: without bf16 units its bf16 matmuls are slower
-    config.setdefault("optimizer", {"type": "AdamW", "params": {}})["params"]["lr"] = LR
-    if "scheduler" in config:  # the configs warm up over 100 steps: far too long for this run
+    config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = LR
+    if "scheduler" in config:  # the configs' warmups are sized for longer runs
         config["scheduler"]["params"].update(warmup_max_lr=LR, warmup_num_steps=max(1, min(10, steps // 10)))
     if zero.get("stage") == 3:  # keep whole only the smallest parameters, so that stage 3 partitions this MLP
         zero["stage3_param_persistence_threshold"] = 100

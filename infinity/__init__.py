@@ -42,14 +42,22 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    if name == "zero":
-        value = importlib.import_module("infinity.zero")
-    elif name in _LAZY:
+    """A public name's module, imported on first use; any subpackage (`infinity.zero`, `infinity.aio`) too."""
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     else:
-        raise AttributeError(f"module 'infinity' has no attribute {name!r}")
+        try:
+            value = importlib.import_module(f"infinity.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"infinity.{name}":
+                raise  # the submodule exists but something it imports is missing: say that
+            raise AttributeError(f"module 'infinity' has no attribute {name!r}") from None
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

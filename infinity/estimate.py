@@ -107,6 +107,8 @@ def runtime_bytes(shape, raw: dict) -> int | None:
     try:
         return int(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"{PROG}: the runtime could not be measured (exit {done.returncode}: {last})", file=sys.stderr)
         return None
 
 
@@ -151,11 +153,21 @@ def _nvme_folder(raw: dict, override: str | None) -> str | None:
     return None
 
 
+def _existing(folder: str | None) -> str | None:
+    """The folder, or its nearest existing parent (where it would be made): free space is measured there."""
+    if folder is None:
+        return None
+    folder = os.path.abspath(folder)
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | None) -> bool:
     import torch
 
     host = (result.host_bytes(cuda=torch.cuda.is_available()) + runtime) * ranks
-    nvme = result.total(Where.NVME) * ranks
+    nvme = (result.total(Where.NVME) + result.nvme_during_init) * ranks
     return host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
 
 
@@ -203,17 +215,19 @@ def main(argv: list[str] | None = None) -> int:
              else "the runtime (could not be measured)")  # fmt: skip
     lines.append(f"  host RSS      {_gib(host + runtime)}  = {host / GIB:.3f} GiB for the run{device} + {fixed}")
     ram = host_available()
-    folder = _nvme_folder(raw, args.nvme_path)
-    disk = shutil.disk_usage(folder if folder and os.path.isdir(folder) else ".").free if folder else None
+    folder = _existing(_nvme_folder(raw, args.nvme_path))
+    disk = shutil.disk_usage(folder).free if folder else None
     family = [m for m in models.family_members(shape.family)] if shape.name in models.CATALOG else []
     largest = None
-    for member in family:
+    for member in family if measured else []:  # without the runtime's figure no fit is claimed
         member_result, _ = plan_estimate(member, raw, args)
         if fits(member_result, runtime=runtime, ranks=args.world_size, ram=ram, disk=disk):
             largest = member.name
-    where = f" and {disk / GIB:.1f} GiB free under {folder}" if disk is not None else ""
+    where = f" and {disk / GIB:.1f} GiB free at {folder}" if disk is not None else ""
     if not family:
         verdict = "(a model from a file: no family to walk)"
+    elif not measured:
+        verdict = "no fit claimed: the runtime could not be measured"
     else:
         verdict = f"largest {shape.family} that fits: {largest}" if largest else f"no {shape.family} fits"
     lines.append(f"  this machine  {ram / GIB:.1f} GiB RAM available{where}, for {args.world_size} rank(s): {verdict}")

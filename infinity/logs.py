@@ -12,11 +12,18 @@ LOGGER_NAME = "infinity"
 
 
 class _DefaultHandler(logging.StreamHandler):
-    """Marks the handler this module added, so it is added once and can be told from a user's."""
+    """The handler this module adds (once). It steps aside as soon as the user configures the root logger, even
+    after the engine started: their handlers then get the records (they propagate), and this one says nothing."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
 
 
 def install_default_handler(rank: int) -> None:
     infinity_logger = logging.getLogger(LOGGER_NAME)
+    if any(isinstance(h, _DefaultHandler) for h in infinity_logger.handlers):
+        return
     if infinity_logger.handlers or logging.getLogger().handlers:
         return  # configured by the user (or by `infinity train`): theirs to decide
     handler = _DefaultHandler(sys.stderr)
@@ -26,4 +33,3 @@ def install_default_handler(rank: int) -> None:
     infinity_logger.addHandler(handler)
     if infinity_logger.level == logging.NOTSET:
         infinity_logger.setLevel(logging.INFO)
-    infinity_logger.propagate = False  # a root handler configured later would print each line twice

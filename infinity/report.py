@@ -90,7 +90,7 @@ def check_versions() -> list[Check]:
             "transformers",
             transformers,
             Level.WARN if transformers == "not installed" else Level.OK,
-            'needed for the Hugging Face models and the examples: pip install -e ".[bench]"'
+            'needed for the Hugging Face models and the examples: pip install -e ".[train]"'
             if transformers == "not installed"
             else "",
         ),

@@ -8,8 +8,9 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   the masters: no copy), the optimizer states (Adam 2, SGD with momentum 1 fp32 per element), the reduced fp32
   gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names;
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
-  the NVMe staging rings (buffer_count x the largest piece within the staging budget; the optimizer's ring of
-  tiles, and the gradient's ring when the gradient goes to NVMe with the optimizer);
+  the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
+  ring of tiles, and the gradient's ring when the gradient goes to NVMe with the optimizer), and the pieces too
+  large for a ring buffer, kept from the step to the next forward within the same budget;
 - activations, an estimate for a transformer decoder: per layer and token h x (34 + 5 a s / h) bytes in
   16-bit (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), scaled to the
   compute dtype and the MLP's width, plus the logits (compute dtype, the loss's fp32 copy and its gradient);
@@ -79,6 +80,7 @@ class Estimate:
     rows: list[Row]
     numel: int
     trainable_numel: int
+    nvme_during_init: int = 0  # zero.Init's copy of the parameter pieces, beside the engine's during initialize()
 
     def total(self, where: Where) -> int:
         return sum(row.nbytes for row in self.rows if row.where is where)
@@ -151,6 +153,7 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     offload_opt, offload_param = zero.offload_optimizer, zero.offload_param
     opt_home = _home(offload_opt.device, offload_opt.pin_memory, cuda=cuda)
     share = trainable if zero.stage == 0 else -(-trainable // n)  # elements of the optimizer this rank holds
+    nvme_during_init = 0
 
     # ---- parameters ----
     if zero.stage == 3:
@@ -173,10 +176,17 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             cap_bytes = STAGING_BUDGET_BYTES // count
             if offload_param.buffer_size:
                 cap_bytes = min(cap_bytes, offload_param.buffer_size * width)
-            fitting = [p * width for p in pieces if p * width <= cap_bytes]
-            ring = count * (max(fitting) if fitting else cap_bytes)
-            rows.append(Row("buffers", f"parameter staging ring ({count} buffers)",
-                            _home("cpu", offload_param.pin_memory, cuda=cuda), ring))  # fmt: skip
+            nvme_bytes = [p * width for p, k in zip(pieces, kept, strict=True) if not k]
+            home = _home("cpu", offload_param.pin_memory, cuda=cuda)
+            if nvme_bytes:  # the ring is sized from the pieces on NVMe, as zero/shards.py sizes it
+                fitting = [b for b in nvme_bytes if b <= cap_bytes]
+                ring = count * (max(fitting) if fitting else cap_bytes)
+                rows.append(Row("buffers", f"parameter staging ring ({count} buffers)", home, ring))
+            outsized = sum(b for b in nvme_bytes if b > cap_bytes)
+            if outsized:  # written behind the step and kept for the next forward, within the staging budget
+                rows.append(Row("buffers", "outsized parameter pieces kept from the step to the next forward", home,
+                                min(outsized, STAGING_BUDGET_BYTES)))  # fmt: skip
+            nvme_during_init = on_nvme  # zero.Init's store holds a copy until initialize() regroups it
         else:
             rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", param_home,
                             sum(pieces) * width))  # fmt: skip
@@ -198,16 +208,16 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
                         share * 4 * momentum_states))  # fmt: skip
 
-    # ---- gradients ----
+    # ---- gradients: the reduced fp32 gradient is on the compute device, or on NVMe with the optimizer at stage 3 ----
     grad_on_nvme = zero.stage == 3 and offload_opt.device == "nvme"
     if zero.stage <= 1:
         rows.append(Row("model states", "fp32 gradient buffers (whole: all-reduced at the boundary)", Where.DEVICE,
                         trainable * 4))  # fmt: skip
-        if zero.stage == 1:
-            rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", opt_home, share * 4))
+        rows.append(Row("model states", "reduced fp32 gradient (this rank's share; stage 0: all of it)",
+                        Where.DEVICE, share * 4))  # fmt: skip
     else:
-        home = Where.NVME if grad_on_nvme else (opt_home if offload_opt.enabled else Where.DEVICE)
-        grad_bytes = share * 4 if not grad_on_nvme else _round(share * 4)
+        home = Where.NVME if grad_on_nvme else Where.DEVICE
+        grad_bytes = _round(share * 4) if grad_on_nvme else share * 4
         rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:
             in_flight = min(trainable, 2 * zero.reduce_bucket_size)
@@ -234,4 +244,4 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
 
     rows += _activations(arch, shape)
-    return Estimate(rows=rows, numel=numel, trainable_numel=trainable)
+    return Estimate(rows=rows, numel=numel, trainable_numel=trainable, nvme_during_init=nvme_during_init)

@@ -21,7 +21,7 @@ class DataError(ValueError):
 
 def _generator(seed: int, rank: int, micro_step: int) -> torch.Generator:
     # distinct, reproducible streams per (seed, rank, micro-step), whatever the world size
-    return torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + micro_step)
+    return torch.Generator().manual_seed(((seed * 1_000_003 + rank) * 1_000_000_007 + micro_step) % 2**63)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -43,13 +43,13 @@ class ByteText:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            raise DataError(f"--data {self.path!r} is not a file; give a text file or 'synthetic'")
         try:
             size = os.path.getsize(self.path)
+            self._bytes = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
         except OSError as e:
-            raise DataError(f"--data {self.path!r} cannot be read: {e.strerror}") from None
-        if not os.path.isfile(self.path):
-            raise DataError(f"--data {self.path!r} is not a file; give a text file or 'synthetic'")
-        self._bytes = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+            raise DataError(f"--data {self.path!r} cannot be read: {e.strerror or e}") from None
 
     @property
     def describe(self) -> str:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import statistics
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 import infinity
 from infinity.checkpoint.manifest import MANIFEST
@@ -22,12 +20,19 @@ from infinity.train.disk import DiskBusy
 from infinity.train.main import Plan
 from infinity.train.progress import Progress, ProgressLogHandler, StepFigures
 from infinity.train.summary import Summary, io_totals
+from infinity.zero.collectives import all_reduce_mean
 
 logger = logging.getLogger("infinity")
 
 
 def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that across execve, so a run
+    started by a large parent (a test runner, a notebook) would report the parent's peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _checkpoint_and_tag(resume: str) -> tuple[str, str | None]:
@@ -99,8 +104,7 @@ class Run:
             if first_step >= args.steps:
                 logger.info("the checkpoint is at step %d, --steps is %d: nothing to train", first_step, args.steps)
         self.steps_done = first_step
-        source = token_source(args.data, vocab_size=models.vocab_size(plan.shape), seq_len=args.seq_len,
-                              seed=args.seed)  # fmt: skip
+        source = token_source(args.data, vocab_size=plan.vocab_size, seq_len=args.seq_len, seed=args.seed)
         micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
         tokens_per_step = micro * accumulation * args.seq_len * engine.world_size
         self.progress.close()
@@ -114,17 +118,17 @@ class Run:
         for step in range(first_step, args.steps):
             step_started = time.perf_counter()
             io_before = io_totals(engine.tier_stats())
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
             for m in range(accumulation):
                 tokens = source.batch(rank=engine.global_rank, micro_step=step * accumulation + m,
                                       micro_batch=micro, seq_len=args.seq_len)  # fmt: skip
                 loss = engine(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
                 engine.backward(loss)
                 engine.step()
-                loss_sum += loss.detach().double().cpu()
-            if engine.world_size > 1:
-                dist.all_reduce(loss_sum)  # the mean over ranks: what plain PyTorch on the whole batch reports
-            losses.append(loss_sum.item() / (accumulation * engine.world_size))
+                loss_sum += loss.detach().double()
+            # the mean over ranks (what plain PyTorch on the whole batch reports), through the engine's group
+            all_reduce_mean(engine.comm, loss_sum, async_op=False)
+            losses.append(loss_sum.item() / accumulation)
             step_s = time.perf_counter() - step_started
             step_times.append(step_s)
             self.steps_done = step + 1
@@ -135,13 +139,15 @@ class Run:
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
                 self._save(engine)
         loop_s = time.perf_counter() - loop_started
+        io = io_totals(engine.tier_stats()).minus(io_start)  # the loop's, before a save reads the swap files
+        disk_busy_s = disk.seconds()
         if args.save and self.steps_done > first_step:
             self._save(engine)
         self.progress.close()
         summary = Summary.gather(
             engine=engine, plan=plan, losses=losses, first_step=first_step, step_times=step_times, loop_s=loop_s,
-            total_s=time.perf_counter() - started, io=io_totals(engine.tier_stats()).minus(io_start),
-            disk_busy_s=disk.seconds(), peak_rss=_peak_rss_bytes(), checkpoint=self.saved_to,
+            total_s=time.perf_counter() - started, io=io, disk_busy_s=disk_busy_s, peak_rss=_peak_rss_bytes(),
+            checkpoint=self.saved_to,
             median_step_s=statistics.median(step_times) if step_times else 0.0, tokens_per_step=tokens_per_step,
         )  # fmt: skip
         engine.destroy()

@@ -21,7 +21,6 @@ from infinity.train import models
 from infinity.train.data import DataError, token_source
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 PROG = "infinity train"
 
 
@@ -70,6 +69,8 @@ class Plan:
     rank: int
     notes: list[str]  # what the command changed, said once at the start
     nvme_paths: list[str]
+    vocab_size: int  # the model config's (token ids must stay below it)
+    numel: int  # distinct parameters
 
 
 def _bf16_units() -> bool:
@@ -100,9 +101,13 @@ def _apply_dtype(config: dict, dtype: str, notes: list[str]) -> None:
         config[section] = {**(config.get(section) or {}), "enabled": section == dtype}
 
 
-def _check_folder(path: str, option: str) -> str:
-    """Made if missing, and proven writable by writing a file (root passes os.access on a read-only mount)."""
+def _check_folder(path: str, option: str, *, create: bool = True) -> str:
+    """Made if missing (when the user named it on the command line), and proven writable by writing a file:
+    access() does not see every refusal (ACLs, a full disk, a filesystem mounted read-only under a writable
+    parent's permissions)."""
     path = os.path.abspath(path)
+    if not create and not os.path.isdir(path):
+        raise UsageError(f"{option} {path!r} does not exist; create it or pass --nvme-path DIR")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -125,12 +130,41 @@ def _apply_nvme_path(config: dict, nvme_path: str | None, notes: list[str]) -> l
         elif not section.get("nvme_path"):
             raise UsageError(f"zero_optimization.{key}.nvme_path is not set; pass --nvme-path DIR")
         option = "--nvme-path" if nvme_path is not None else f"zero_optimization.{key}.nvme_path"
-        paths.append(_check_folder(section["nvme_path"], option))
+        paths.append(_check_folder(section["nvme_path"], option, create=nvme_path is not None))
     return sorted(set(paths))
 
 
+SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "aio")
+
+
+def _model(args: argparse.Namespace):
+    """The shape, its transformers config and its parameter count (a meta-device build: it proves transformers
+    can build it as a causal LM, at no memory cost)."""
+    try:
+        shape = models.resolve(args.model)
+        hf_config = models.hf_config(shape, seq_len=args.seq_len)
+        numel = models.count_parameters(shape)
+    except models.UnknownModelError as e:
+        raise UsageError(str(e)) from None
+    except ImportError as e:
+        raise UsageError(f"infinity train builds transformers models: pip install -e \".[train]\" ({e})") from None
+    except ValueError as e:
+        raise UsageError(f"--model {args.model!r}: transformers cannot build it as a causal LM: {e}") from None
+    return shape, hf_config, numel
+
+
+def _apply_micro_batch(config: dict, micro_batch: int | None, notes: list[str]) -> None:
+    """--micro-batch keeps the config's global batch when it has one (the accumulation follows), as a
+    DeepSpeed user expects; without one the accumulation stays as configured."""
+    if micro_batch is None:
+        return
+    config["train_micro_batch_size_per_gpu"] = micro_batch
+    if config.get("train_batch_size") not in (None, "auto") and "gradient_accumulation_steps" in config:
+        del config["gradient_accumulation_steps"]  # train_batch_size / (micro x world size), checked by the parse
+
+
 def plan(args: argparse.Namespace) -> Plan:
-    """Every check that needs no model: bad input fails here, in a second, with the key or value named."""
+    """Every check that builds nothing real: bad input fails here, in seconds, with the key or value named."""
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: train at least 1 step")
     if args.seq_len < 2:
@@ -139,34 +173,35 @@ def plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--micro-batch {args.micro_batch}: at least 1")
     if args.save_every < 0:
         raise UsageError(f"--save-every {args.save_every}: 0 (only at the end) or a positive number of steps")
+    if not 0 <= args.seed < 2**31:
+        raise UsageError(f"--seed {args.seed}: between 0 and {2**31 - 1}")
     if args.resume is not None and not os.path.isdir(args.resume):
         raise UsageError(f"--resume {args.resume!r} is not a folder; give the folder --save wrote")
-    try:
-        shape = models.resolve(args.model)
-        hf_config = models.hf_config(shape, seq_len=args.seq_len)
-    except models.UnknownModelError as e:
-        raise UsageError(str(e)) from None
+    shape, hf_config, numel = _model(args)
     try:
         config = load_json(args.config)
     except ConfigError as e:
         raise UsageError(f"--config: {e}") from None
+    for key in SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise UsageError(f"--config {args.config}: {key} must be a JSON object, got {config[key]!r}")
     notes: list[str] = []
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.micro_batch is not None:
-        config["train_micro_batch_size_per_gpu"] = args.micro_batch
-        if "train_batch_size" in config:  # the engine computes it from the micro-batch and the accumulation
-            del config["train_batch_size"]
-            config.setdefault("gradient_accumulation_steps", 1)
+    _apply_micro_batch(config, args.micro_batch, notes)
     _apply_dtype(config, args.dtype, notes)
     nvme_paths = _apply_nvme_path(config, args.nvme_path, notes)
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
     try:
-        parse_config(config, world_size=world_size, auto=AutoValues(hidden_size=hidden))
+        parsed = parse_config(config, world_size=world_size, auto=AutoValues(hidden_size=hidden))
     except ConfigError as e:
         raise UsageError(f"--config {args.config}: {e}") from None
+    if args.micro_batch is not None:
+        notes.append(f"--micro-batch {args.micro_batch}: global batch {parsed.train_batch_size} (x "
+                     f"{parsed.gradient_accumulation_steps} accumulation x {world_size} ranks)")  # fmt: skip
+    vocab_size = int(hf_config.vocab_size)
     if args.data != "synthetic":
         try:
-            token_source(args.data, vocab_size=models.vocab_size(shape), seq_len=args.seq_len, seed=args.seed)
+            token_source(args.data, vocab_size=vocab_size, seq_len=args.seq_len, seed=args.seed)
         except DataError as e:
             raise UsageError(str(e)) from None
     if args.save is not None:
@@ -175,8 +210,8 @@ def plan(args: argparse.Namespace) -> Plan:
         folder = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(folder) or os.path.isdir(args.summary_json):
             raise UsageError(f"--summary-json {args.summary_json!r}: its folder must exist and it must not be one")
-    return Plan(args=args, shape=shape, config=config, world_size=world_size,
-                rank=int(os.environ.get("RANK", "0")), notes=notes, nvme_paths=nvme_paths)  # fmt: skip
+    return Plan(args=args, shape=shape, config=config, world_size=world_size, rank=int(os.environ.get("RANK", "0")),
+                notes=notes, nvme_paths=nvme_paths, vocab_size=vocab_size, numel=numel)  # fmt: skip
 
 
 def _quiet_transformers() -> None:
@@ -187,16 +222,32 @@ def _quiet_transformers() -> None:
         transformers_logging.set_verbosity_error()
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+class _Stop(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so it ends as Ctrl-C does (exit code 128 + the signal)."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_stop(signum: int, frame) -> None:
+    raise _Stop
+
+
+def _ignore_further_signals() -> None:
+    """torchrun sends a rank the signal again after the terminal did: the clean-up must not be interrupted."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM (torchrun's way of stopping a rank) ends the run like Ctrl-C. Installed before the engine, so the
-    # swap store's handler removes the files first and then calls this one.
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM (how torchrun and schedulers stop a rank) ends the run like Ctrl-C. Installed before the engine,
+    # so the swap store's handler removes the files first and then calls this one.
+    previous = None
+    with contextlib.suppress(ValueError):  # signals can be set from the main thread only
+        previous = signal.signal(signal.SIGTERM, _raise_stop)
     run = None
+    rank = int(os.environ.get("RANK", "0"))
     try:
         _quiet_transformers()
         the_plan = plan(args)
@@ -207,26 +258,30 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        done = f" after {run.steps_done} of {args.steps} steps" if run is not None else " before training started"
+    except KeyboardInterrupt as e:
+        _ignore_further_signals()
         if run is not None:
             run.close_progress()
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"\n{PROG}: interrupted{done}; swap files removed{run.checkpoint_note() if run else ''}",
-                  file=sys.stderr)  # fmt: skip
+        if rank == 0:
+            done = f"after {run.steps_done} of {args.steps} steps" if run is not None else "before training started"
+            note = run.checkpoint_note() if run is not None else ""
+            print(f"\n{PROG}: interrupted {done}; no swap files left behind{note}", file=sys.stderr)
         logging.getLogger("infinity").disabled = True  # the exit-time teardown has nothing to add
-        return EXIT_INTERRUPTED
+        return 128 + int(getattr(e, "signum", signal.SIGINT))
     except ConfigError as e:
-        run.close_progress()
+        if run is not None:
+            run.close_progress()
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except InfinityError as e:
-        run.close_progress()
+        if run is not None:
+            run.close_progress()
         print(f"{PROG}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, previous)
     if the_plan.rank == 0:
         print(summary, flush=True)
         if args.summary_json is not None:

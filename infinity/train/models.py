@@ -118,10 +118,6 @@ def hf_config(shape: ModelShape, *, seq_len: int | None = None):
     return config
 
 
-def vocab_size(shape: ModelShape) -> int:
-    return int(shape.fields.get("vocab_size", 50257))
-
-
 def count_parameters(shape: ModelShape) -> int:
     """Distinct parameters (a tied weight once), counted on the meta device: nothing is allocated."""
     import torch

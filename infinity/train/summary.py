@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
-from infinity.train import models
+from infinity.zero.collectives import all_reduce_max_, all_reduce_sum_
 
 GB = 1e9
 GIB = 1 << 30
@@ -22,6 +21,7 @@ class IoTotals:
     written: dict[str, int]
     blocked_s: float
     held_nvme: int  # bytes of swap-file segments
+    staging: int = 0  # bytes of the host staging rings in front of NVMe
 
     @property
     def read_bytes(self) -> int:
@@ -37,6 +37,7 @@ class IoTotals:
             written={k: v - earlier.written.get(k, 0) for k, v in self.written.items()},
             blocked_s=self.blocked_s - earlier.blocked_s,
             held_nvme=self.held_nvme,
+            staging=self.staging,
         )
 
 
@@ -45,15 +46,14 @@ def io_totals(tier_stats: dict) -> IoTotals:
     written = {owner: s["traffic"]["nvme_write"]["bytes"] for owner, s in tier_stats.items()}
     blocked = sum(s["traffic"][d]["blocked_s"] for s in tier_stats.values() for d in ("nvme_read", "nvme_write"))
     held = sum(s["held_bytes"].get("nvme", 0) for s in tier_stats.values())
-    return IoTotals(read=read, written=written, blocked_s=blocked, held_nvme=held)
+    staging = sum(s["staging_bytes"] for s in tier_stats.values())
+    return IoTotals(read=read, written=written, blocked_s=blocked, held_nvme=held, staging=staging)
 
 
-def _across_ranks(values: list[float], op) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
+def _across_ranks(engine, values: list[float], reduce) -> list[float]:
+    """Through the engine's group and device (NCCL reduces device tensors only); failures are CollectiveErrors."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=engine.device)
+    return reduce(engine.comm, tensor).tolist()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,14 +78,14 @@ class Summary:
                peak_rss, checkpoint, median_step_s, tokens_per_step) -> Summary:  # fmt: skip
         """Collective: every rank calls it, in the same order."""
         owners = sorted(set(io.read) | set(io.written))
-        summed = _across_ranks([io.read.get(o, 0) for o in owners] + [io.written.get(o, 0) for o in owners]
-                               + [io.held_nvme], dist.ReduceOp.SUM)  # fmt: skip
-        rss_max, blocked_max = _across_ranks([float(peak_rss), io.blocked_s], dist.ReduceOp.MAX)
+        summed = _across_ranks(engine, [io.read.get(o, 0) for o in owners] + [io.written.get(o, 0) for o in owners]
+                               + [io.held_nvme, io.staging], all_reduce_sum_)  # fmt: skip
+        rss_max, blocked_max = _across_ranks(engine, [float(peak_rss), io.blocked_s], all_reduce_max_)
         n = len(owners)
         io_sum = IoTotals(read=dict(zip(owners, summed[:n], strict=True)),
                           written=dict(zip(owners, summed[n : 2 * n], strict=True)),
-                          blocked_s=io.blocked_s, held_nvme=int(summed[-1]))  # fmt: skip
-        numel = models.count_parameters(plan.shape)
+                          blocked_s=io.blocked_s, held_nvme=int(summed[-2]), staging=int(summed[-1]))  # fmt: skip
+        numel = plan.numel
         heading = (f"{plan.shape.name} ({numel / 1e6:,.1f}M parameters), ZeRO stage {engine.zero_optimization_stage()}"
                    f", world size {engine.world_size}, {_dtype_name(engine)}, micro-batch "
                    f"{engine.train_micro_batch_size_per_gpu()} x {plan.args.seq_len} tokens"
@@ -110,11 +110,11 @@ class Summary:
             lines.append("  loss          no steps trained (the checkpoint was already at --steps)")
         lines.append(f"  peak RSS      {self.peak_rss_max / GIB:.2f} GiB (the largest rank; rank 0: "
                      f"{self.peak_rss_rank0 / GIB:.2f} GiB)")  # fmt: skip
-        if self.io.read or self.io.written:
+        if self.swap_folders and self.io.held_nvme:
             moved = ", ".join(
                 f"{owner} read {self.io.read.get(owner, 0) / GB:.2f} GB / wrote "
                 f"{self.io.written.get(owner, 0) / GB:.2f} GB"
-                for owner in sorted(self.io.read)
+                for owner in sorted(self.io.read) if self.io.read.get(owner) or self.io.written.get(owner)
             )
             lines.append(f"  NVMe traffic  {moved} (all ranks)")
             lines.append(f"  swap files    {self.io.held_nvme / GB:.2f} GB under {', '.join(self.swap_folders)} "

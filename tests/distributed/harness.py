@@ -1,7 +1,8 @@
 """Run a function in N real processes over gloo, with a hard timeout, and collect what each returns.
 
-Processes are spawned (fresh interpreters), rendezvous through a file, and return results through files:
-no mocked collectives. A run that exceeds its timeout is killed and fails the test (a hang is a bug).
+Processes start from a fork server (an interpreter that preloaded torch and the engine), rendezvous through a
+file, and return results through files: no mocked collectives. A run that exceeds its timeout is killed and
+fails the test (a hang is a bug).
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Children fork from a server that has already imported torch and the engine: each run saves the ~1-2 s a
+# spawned interpreter spends importing them (the suite starts hundreds). The server itself never initializes
+# a process group or a thread pool, so what the children inherit is only the imported modules.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "infinity.engine", "tests.distributed.harness"]
+mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
 def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict) -> None:
@@ -44,7 +51,7 @@ def run_distributed(fn, world_size: int, workdir, *, timeout_s: float = 300.0, *
     """fn(rank=, world_size=, **kwargs) in each process; returns the per-rank results."""
     workdir = str(workdir)
     context = mp.start_processes(
-        _entry, args=(world_size, workdir, fn, kwargs), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(world_size, workdir, fn, kwargs), nprocs=world_size, join=False, start_method="forkserver"
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):

@@ -1,6 +1,6 @@
-"""The examples run as a user runs them: each for 3 steps as one process (torchrun with 2 processes is covered by
-tests/train and tests/distributed/test_torchrun.py, within the suite's time budget). Each must exit 0 and print a
-final ``loss A -> B`` with B < A (the examples are seeded and their
+"""The examples run as a user runs them: each for 3 steps as one process, and the MLP one under torchrun with 2
+processes (the transformers one under torchrun is what tests/train's torchrun run covers). Each must exit 0 and
+print a final ``loss A -> B`` with B < A (the examples are seeded and their
 learning rates are large enough that 3 steps lower the loss every time)."""
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ def run(command: list[str], cwd: Path, timeout: float) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
+    return done
 
 
-def assert_loss_fell(stdout: str) -> None:
+def assert_loss_fell(done: subprocess.CompletedProcess) -> None:
+    stdout = done.stdout
     lines = stdout.strip().splitlines()
     match = FINAL.search(lines[-1]) if lines else None
     assert match, f"no final 'loss A -> B' line in:\n{stdout[-3000:]}"
@@ -41,4 +42,14 @@ def assert_loss_fell(stdout: str) -> None:
 def test_example_single_process(script, tmp_path):
     if script == "hf_causal_lm.py":
         pytest.importorskip("transformers")
-    assert_loss_fell(run([sys.executable, str(EXAMPLES / script), "--steps", "3"], cwd=tmp_path, timeout=120))
+    done = run([sys.executable, str(EXAMPLES / script), "--steps", "3"], cwd=tmp_path, timeout=120)
+    assert_loss_fell(done)
+    if script == "hf_causal_lm.py":  # steps_per_print 1: the engine's line, with no logging configured
+        assert re.search(r"^\[infinity\] step 3: loss \d", done.stderr, re.M), done.stderr[-3000:]
+
+
+def test_mlp_example_under_torchrun(tmp_path):
+    # Port 0 for the rendezvous and the master: the OS picks free ones, so parallel runs never collide.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]  # fmt: skip
+    assert_loss_fell(run([*launcher, str(EXAMPLES / "train_mlp.py"), "--steps", "3"], cwd=tmp_path, timeout=180))

@@ -45,3 +45,18 @@ def test_configured_logging_is_left_alone():
         logging.getLogger().addHandler(logging.NullHandler())
         install_default_handler(0)
         assert logger.handlers == [] and logger.propagate
+
+
+def test_logging_configured_after_the_engine_takes_over(capsys):
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    with bare_logging() as logger:
+        install_default_handler(0)
+        logging.getLogger().addHandler(Collect())  # the user's basicConfig, after initialize()
+        logger.info("step 10: loss 1.0")
+    assert records == ["step 10: loss 1.0"]
+    assert capsys.readouterr().err == ""  # said once, by the user's handler
