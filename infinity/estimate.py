@@ -166,35 +166,44 @@ def _existing(folder: str | None) -> str | None:
 def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | None) -> bool:
     import torch
 
-    host = (result.host_bytes(cuda=torch.cuda.is_available()) + runtime) * ranks
+    cuda = torch.cuda.is_available()
+    host = (result.host_bytes(cuda=cuda) + runtime) * ranks
     nvme = (result.total(Where.NVME) + result.nvme_during_init) * ranks
-    return host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
+    device_ok = not cuda or result.total(Where.DEVICE) <= torch.cuda.get_device_properties(0).total_memory
+    return device_ok and host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from infinity.train import models
-    from infinity.train.main import _apply_dtype, _quiet_transformers
+    from infinity.train.main import SECTIONS, _apply_dtype, _apply_micro_batch, _quiet_transformers
 
     _quiet_transformers()
-    if args.world_size < 1:
-        print(f"{PROG}: error: --world-size {args.world_size}: at least 1", file=sys.stderr)
-        return 2
+    for bad, message in ((args.world_size < 1, f"--world-size {args.world_size}: at least 1"),
+                         (args.seq_len < 2, f"--seq-len {args.seq_len}: at least 2")):  # fmt: skip
+        if bad:
+            print(f"{PROG}: error: {message}", file=sys.stderr)
+            return 2
     try:
         shape = models.resolve(args.model)
         raw = load_json(args.config)
+        for key in SECTIONS:
+            if key in raw and not isinstance(raw[key], dict):
+                raise ConfigError(f"{key} must be a JSON object, got {raw[key]!r}")
     except (models.UnknownModelError, ConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    if args.micro_batch is not None:
-        raw["train_micro_batch_size_per_gpu"] = args.micro_batch
-        raw.pop("train_batch_size", None)
     notes: list[str] = []
+    _apply_micro_batch(raw, args.micro_batch)
     _apply_dtype(raw, args.dtype, notes)
     try:
         result, facts = plan_estimate(shape, raw, args)
     except ConfigError as e:
         print(f"{PROG}: error: --config {args.config}: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f'{PROG}: error: it builds transformers models on the meta device: pip install -e ".[train]" ({e})',
+              file=sys.stderr)  # fmt: skip
         return 2
     import torch
 

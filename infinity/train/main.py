@@ -153,7 +153,7 @@ def _model(args: argparse.Namespace):
     return shape, hf_config, numel
 
 
-def _apply_micro_batch(config: dict, micro_batch: int | None, notes: list[str]) -> None:
+def _apply_micro_batch(config: dict, micro_batch: int | None) -> None:
     """--micro-batch keeps the config's global batch when it has one (the accumulation follows), as a
     DeepSpeed user expects; without one the accumulation stays as configured."""
     if micro_batch is None:
@@ -187,7 +187,7 @@ def plan(args: argparse.Namespace) -> Plan:
             raise UsageError(f"--config {args.config}: {key} must be a JSON object, got {config[key]!r}")
     notes: list[str] = []
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _apply_micro_batch(config, args.micro_batch, notes)
+    _apply_micro_batch(config, args.micro_batch)
     _apply_dtype(config, args.dtype, notes)
     nvme_paths = _apply_nvme_path(config, args.nvme_path, notes)
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
