@@ -43,6 +43,8 @@ _LAZY = {
 
 def __getattr__(name: str):
     """A public name's module, imported on first use; any subpackage (`infinity.zero`, `infinity.aio`) too."""
+    if name.startswith("__"):  # hasattr(infinity, "__main__") and the like must not import (or run) anything
+        raise AttributeError(f"module 'infinity' has no attribute {name!r}")
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     else:

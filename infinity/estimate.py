@@ -102,8 +102,12 @@ def runtime_bytes(shape, raw: dict) -> int | None:
     config.pop("gradient_accumulation_steps", None)
     env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
     env.pop("MASTER_ADDR", None)
-    done = subprocess.run([sys.executable, "-c", RUNTIME_PROBE, json.dumps(fields), json.dumps(config)],
-                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    try:
+        done = subprocess.run([sys.executable, "-c", RUNTIME_PROBE, json.dumps(fields), json.dumps(config)],
+                              capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    except (subprocess.TimeoutExpired, OSError) as e:
+        print(f"{PROG}: the runtime could not be measured ({e})", file=sys.stderr)
+        return None
     try:
         return int(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -174,6 +178,14 @@ def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | No
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from infinity.train import models
     from infinity.train.main import SECTIONS, _apply_dtype, _apply_micro_batch, _quiet_transformers
@@ -243,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"model": shape.name, "numel": result.numel, "runtime_bytes": runtime, "host_bytes": host,
+            json.dump({"model": shape.name, "numel": result.numel, "runtime_bytes": measured, "host_bytes": host,
                        "tiers": {w.value: result.total(w) for w in Where}, "largest_fitting": largest,
                        "rows": [{"category": r.category, "what": r.what, "where": r.where.value, "bytes": r.nbytes}
                                 for r in result.rows]}, f, indent=2)  # fmt: skip

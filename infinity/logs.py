@@ -31,5 +31,5 @@ def install_default_handler(rank: int) -> None:
     handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
     handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     infinity_logger.addHandler(handler)
-    if infinity_logger.level == logging.NOTSET:
-        infinity_logger.setLevel(logging.INFO)
+    if infinity_logger.level == logging.NOTSET:  # other ranks' info lines stay out of handlers added later too
+        infinity_logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)

@@ -182,10 +182,13 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
                 fitting = [b for b in nvme_bytes if b <= cap_bytes]
                 ring = count * (max(fitting) if fitting else cap_bytes)
                 rows.append(Row("buffers", f"parameter staging ring ({count} buffers)", home, ring))
-            outsized = sum(b for b in nvme_bytes if b > cap_bytes)
-            if outsized:  # written behind the step and kept for the next forward, within the staging budget
+            outsized = 0  # written behind the step and kept for the next forward: whole pieces, within the budget
+            for nbytes in (b for b in nvme_bytes if b > cap_bytes):
+                if outsized + nbytes <= STAGING_BUDGET_BYTES:
+                    outsized += nbytes
+            if outsized:
                 rows.append(Row("buffers", "outsized parameter pieces kept from the step to the next forward", home,
-                                min(outsized, STAGING_BUDGET_BYTES)))  # fmt: skip
+                                outsized))  # fmt: skip
             nvme_during_init = on_nvme  # zero.Init's store holds a copy until initialize() regroups it
         else:
             rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", param_home,

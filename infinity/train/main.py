@@ -1,7 +1,7 @@
 """`infinity train`: options, the checks that run before anything is built (bad input is a one-line error and
 exit code 2), then the loop: build the model (under zero.Init at stage 3, so no rank ever holds it whole), train
-it with the engine, show progress on rank 0, end with the summary. Ctrl-C (or SIGTERM) ends it with one line and
-exit code 130; the swap files go with the process."""
+it with the engine, show progress on rank 0, end with the summary. Ctrl-C ends it with one line and exit code 130
+(SIGTERM: 143); the swap files go with the process."""
 
 from __future__ import annotations
 
@@ -123,12 +123,16 @@ def _apply_nvme_path(config: dict, nvme_path: str | None, notes: list[str]) -> l
                 if isinstance(zero.get(key), dict) and zero[key].get("device") == "nvme"]  # fmt: skip
     if nvme_path is not None and not sections:
         notes.append(f"--nvme-path {nvme_path} unused: the config offloads nothing to NVMe")
+    if nvme_path is not None and not nvme_path.strip():
+        raise UsageError("--nvme-path is empty; give a folder on a fast local disk")
     paths = []
     for key, section in sections:
         if nvme_path is not None:
             section["nvme_path"] = nvme_path
         elif not section.get("nvme_path"):
             raise UsageError(f"zero_optimization.{key}.nvme_path is not set; pass --nvme-path DIR")
+        elif not isinstance(section["nvme_path"], str):
+            raise UsageError(f"zero_optimization.{key}.nvme_path must be a folder path, got {section['nvme_path']!r}")
         option = "--nvme-path" if nvme_path is not None else f"zero_optimization.{key}.nvme_path"
         paths.append(_check_folder(section["nvme_path"], option, create=nvme_path is not None))
     return sorted(set(paths))
@@ -196,8 +200,8 @@ def plan(args: argparse.Namespace) -> Plan:
     except ConfigError as e:
         raise UsageError(f"--config {args.config}: {e}") from None
     if args.micro_batch is not None:
-        notes.append(f"--micro-batch {args.micro_batch}: global batch {parsed.train_batch_size} (x "
-                     f"{parsed.gradient_accumulation_steps} accumulation x {world_size} ranks)")  # fmt: skip
+        notes.append(f"--micro-batch {args.micro_batch}: global batch {parsed.train_batch_size} = {args.micro_batch} "
+                     f"x {parsed.gradient_accumulation_steps} accumulation x {world_size} rank(s)")  # fmt: skip
     vocab_size = int(hf_config.vocab_size)
     if args.data != "synthetic":
         try:
@@ -210,6 +214,7 @@ def plan(args: argparse.Namespace) -> Plan:
         folder = os.path.dirname(os.path.abspath(args.summary_json))
         if not os.path.isdir(folder) or os.path.isdir(args.summary_json):
             raise UsageError(f"--summary-json {args.summary_json!r}: its folder must exist and it must not be one")
+        _check_folder(folder, "--summary-json's folder", create=False)
     return Plan(args=args, shape=shape, config=config, world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                 notes=notes, nvme_paths=nvme_paths, vocab_size=vocab_size, numel=numel)  # fmt: skip
 
@@ -278,15 +283,19 @@ def main(argv: list[str] | None = None) -> int:
             run.close_progress()
         print(f"{PROG}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    finally:
-        if previous is not None:
-            with contextlib.suppress(ValueError):
-                signal.signal(signal.SIGTERM, previous)
+    # Restored only after a clean end, and only if still ours: after an interrupt signals stay ignored until exit,
+    # and after an error the swap store's own handler (installed on top of ours) keeps guarding its files.
+    if previous is not None and signal.getsignal(signal.SIGTERM) is _raise_stop:
+        signal.signal(signal.SIGTERM, previous)
     if the_plan.rank == 0:
         print(summary, flush=True)
         if args.summary_json is not None:
-            with open(args.summary_json, "w") as f:
-                json.dump(summary.as_dict(), f, indent=2)
+            try:
+                with open(args.summary_json, "w") as f:
+                    json.dump(summary.as_dict(), f, indent=2)
+            except OSError as e:
+                print(f"{PROG}: error: --summary-json {args.summary_json!r}: {e.strerror or e}", file=sys.stderr)
+                return 1
     return 0
 
 

@@ -110,7 +110,7 @@ class Summary:
             lines.append("  loss          no steps trained (the checkpoint was already at --steps)")
         lines.append(f"  peak RSS      {self.peak_rss_max / GIB:.2f} GiB (the largest rank; rank 0: "
                      f"{self.peak_rss_rank0 / GIB:.2f} GiB)")  # fmt: skip
-        if self.swap_folders and self.io.held_nvme:
+        if self.swap_folders and self.io.held_nvme and (self.io.read_bytes or self.io.write_bytes):
             moved = ", ".join(
                 f"{owner} read {self.io.read.get(owner, 0) / GB:.2f} GB / wrote "
                 f"{self.io.written.get(owner, 0) / GB:.2f} GB"

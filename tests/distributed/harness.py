@@ -23,7 +23,9 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "infinity.engine", "tests.di
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
-def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict) -> None:
+def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict, environ: dict) -> None:
+    os.environ.clear()  # the test's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     result_path = os.path.join(workdir, f"result-{rank}.pkl")
@@ -50,9 +52,8 @@ def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict) -> None:
 def run_distributed(fn, world_size: int, workdir, *, timeout_s: float = 300.0, **kwargs) -> list:
     """fn(rank=, world_size=, **kwargs) in each process; returns the per-rank results."""
     workdir = str(workdir)
-    context = mp.start_processes(
-        _entry, args=(world_size, workdir, fn, kwargs), nprocs=world_size, join=False, start_method="forkserver"
-    )
+    args = (world_size, workdir, fn, kwargs, dict(os.environ))
+    context = mp.start_processes(_entry, args=args, nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -19,7 +19,7 @@ EXAMPLES = ROOT / "examples"
 FINAL = re.compile(r"loss (\S+) -> (\S+)\s*$")
 
 
-def run(command: list[str], cwd: Path, timeout: float) -> str:
+def run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     # One thread per process: the suite shares a few cores. PYTHONPATH: the examples import this checkout.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path}

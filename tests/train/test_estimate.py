@@ -3,6 +3,7 @@ largest model of the family that fits; the arithmetic follows the engine's layou
 test_train_cli.py); bad input is one line and exit code 2."""
 
 import os
+import re
 
 import pytest
 
@@ -20,9 +21,10 @@ def test_prints_tiers_rss_and_the_largest_fitting_model(tmp_path, capsys, monkey
     assert code == 0
     assert "gpt2-small: 124.4M parameters" in out
     rows = ("parameter pieces", "fp32 master weights", "optimizer states", "parameter staging ring", "gathered units",
-            "activations", "host RSS", "0.293 GiB runtime", "largest gpt2 that fits")
+            "activations", "host RSS", "0.293 GiB runtime", "for 1 rank(s): ")
     for row in rows:
         assert row in out, out
+    assert re.search(r"largest gpt2 that fits: gpt2-\w+|no gpt2 fits", out), out  # depends on this machine
     assert (tmp_path / "e.json").exists()
 
 

@@ -87,7 +87,8 @@ def _estimate_within_15_percent(measured: dict) -> None:
     assert abs(rings - staging) <= 0.15 * staging, (rings, staging)
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_cleanly(tmp_path, signum, code):
     swap = tmp_path / "swap"
     command = [sys.executable, "-m", "infinity", "train", "--config", NVME_CONFIG, *SMALL, "--steps", "100000",
                "--nvme-path", str(swap)]  # fmt: skip
@@ -99,9 +100,9 @@ def test_ctrl_c_stops_cleanly(tmp_path):
             pytest.fail(f"the run never started training: {process.communicate()[1][-3000:]}")
         time.sleep(0.2)
     time.sleep(1.5)  # into the loop
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     out, err = process.communicate(timeout=60)
-    assert process.returncode == 130, err[-3000:]
+    assert process.returncode == code, err[-3000:]
     assert "Traceback" not in err and "interrupted after" in err, err[-3000:]
     assert _swap_left(str(swap)) == []
 
@@ -141,8 +142,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("too short")
     assert "--data" in _bad(capsys, "--config", NVME_CONFIG, "--data", str(short), "--nvme-path", str(tmp_path))
-    assert "nvme_path" in _bad(capsys, "--config", NVME_CONFIG, "--nvme-path", "")
-    assert "does not exist" in _bad(capsys, "--config", NVME_CONFIG)  # the config's own nvme_path is not made
+    assert "--nvme-path is empty" in _bad(capsys, "--config", NVME_CONFIG, "--nvme-path", "")
+    elsewhere = tmp_path / "elsewhere.json"
+    config = json.loads(Path(NVME_CONFIG).read_text())
+    for section in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][section]["nvme_path"] = str(tmp_path / "no" / "such")
+    elsewhere.write_text(json.dumps(config))
+    assert "does not exist" in _bad(capsys, "--config", str(elsewhere))  # the config's own nvme_path is not made
+    assert not (tmp_path / "no").exists()
     broken.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": 3}))
     assert "zero_optimization must be a JSON object" in _bad(capsys, "--config", str(broken))
     assert "--seed" in _bad(capsys, "--config", NVME_CONFIG, "--seed", str(2**40), "--nvme-path", str(tmp_path))

@@ -40,6 +40,21 @@ def test_other_ranks_only_warn(capsys):
     assert capsys.readouterr().err == "[infinity rank 1] module order changed\n"
 
 
+def test_other_ranks_info_stays_out_of_logging_configured_later():
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    with bare_logging() as logger:
+        install_default_handler(1)
+        logging.getLogger().addHandler(Collect())
+        logger.info("step 10: loss 1.0")
+        logger.warning("module order changed")
+    assert records == ["module order changed"]
+
+
 def test_configured_logging_is_left_alone():
     with bare_logging() as logger:
         logging.getLogger().addHandler(logging.NullHandler())
