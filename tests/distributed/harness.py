@@ -23,9 +23,10 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "infinity.engine", "tests.di
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
-def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict, environ: dict) -> None:
-    os.environ.clear()  # the test's environment now, not the fork server's from when it started
-    os.environ.update(environ)
+def _entry(rank: int, world_size: int, workdir: str, fn, kwargs: dict, environ: dict | None = None) -> None:
+    if environ is not None:  # the test's environment now, not the fork server's from when it started
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     result_path = os.path.join(workdir, f"result-{rank}.pkl")
