@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 
+from infinity.aio.buffers import available_host_bytes
 from infinity.config import AutoValues, ConfigError, load_json, parse_config
 from infinity.memory.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
 
@@ -116,12 +117,6 @@ def runtime_bytes(shape, raw: dict) -> int | None:
         return None
 
 
-def host_available() -> int:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
-
-
 def _momentum_states(raw: dict) -> int:
     optimizer = raw.get("optimizer") or {}
     kind = str(optimizer.get("type", "adamw")).lower()
@@ -139,7 +134,7 @@ def plan_estimate(shape, raw: dict, args, *, owners_arch=None, available: int | 
     width = 2 if (config.bf16.enabled or config.fp16.enabled) else 4
     run = RunShape(world_size=args.world_size, micro_batch=config.train_micro_batch_size_per_gpu,
                    seq_len=args.seq_len, dtype_bytes=width,
-                   host_available=available if available is not None else host_available())  # fmt: skip
+                   host_available=available if available is not None else available_host_bytes())  # fmt: skip
     return estimate(owners, arch, config, run, cuda=torch.cuda.is_available(), momentum_states=_momentum_states(raw)), {
         "micro_batch": run.micro_batch, "dtype_bytes": width, "stage": config.zero.stage}
 
@@ -235,7 +230,7 @@ def _main(argv: list[str] | None) -> int:
     fixed = (f"{runtime / GIB:.3f} GiB runtime (python, torch, transformers, the engine: measured)" if measured
              else "the runtime (could not be measured)")  # fmt: skip
     lines.append(f"  host RSS      {_gib(host + runtime)}  = {host / GIB:.3f} GiB for the run{device} + {fixed}")
-    ram = host_available()
+    ram = available_host_bytes()
     folder = _existing(_nvme_folder(raw, args.nvme_path))
     disk = shutil.disk_usage(folder).free if folder else None
     family = [m for m in models.family_members(shape.family)] if shape.name in models.CATALOG else []

@@ -25,13 +25,14 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from infinity.mounts import mount_of  # not under infinity.aio: that package loads the C core
+
 PROBE_BYTES = 4096
 """One direct-I/O block: the smallest aligned write and read the engine issues."""
 LOW_MEMLOCK_BYTES = 1 << 30
 """Below this memlock limit, large host I/O buffers cannot be locked (they stay swappable)."""
 LOW_FREE_BYTES = 10 << 30
 """Below this much free space on --nvme-path, offloading all but the smallest models will not fit."""
-MOUNTINFO = "/proc/self/mountinfo"
 MEMINFO = "/proc/meminfo"
 THP_DIR = "/sys/kernel/mm/transparent_hugepage"
 NOT_TESTED = "not tested"
@@ -178,35 +179,6 @@ def check_kernel_aio() -> Check:
 # ---- the NVMe folder ----
 
 
-@dataclass(frozen=True, slots=True)
-class Mount:
-    mount_point: str
-    fstype: str
-    source: str
-
-
-def _unescape_mountinfo(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040 ...)."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
-def find_mount(path: str, mountinfo: str) -> Mount | None:
-    """The mount holding ``path`` (absolute, resolved): the longest mount point that contains it."""
-    best: Mount | None = None
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 2:
-            continue
-        point = _unescape_mountinfo(fields[4])
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best.mount_point)):
-            best = Mount(point, tail[0], _unescape_mountinfo(tail[1]))
-    return best
-
-
 def _read(path: str) -> str:
     try:
         with open(path) as f:
@@ -230,7 +202,7 @@ def check_nvme_path(path: str) -> Check:
         )
     if not stat.S_ISDIR(info.st_mode):
         return Check(name, f"{real} is not a folder", Level.BROKEN, "pass a folder: --nvme-path DIR")
-    mount = find_mount(real, _read(MOUNTINFO))
+    mount = mount_of(real)
     where = f"{real} (filesystem {mount.fstype}, mounted at {mount.mount_point})" if mount else real
     probe = os.path.join(path, f".infinity-report-{os.getpid()}")
     try:
@@ -248,7 +220,7 @@ def check_nvme_path(path: str) -> Check:
 
 
 def filesystem_of(path: str) -> str:
-    mount = find_mount(os.path.realpath(path), _read(MOUNTINFO))
+    mount = mount_of(path)
     return mount.fstype if mount else "unknown"
 
 

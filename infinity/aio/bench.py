@@ -32,6 +32,7 @@ from infinity.aio.buffers import HUGE_PAGE_BYTES, HostBuffer, allocate_host_buff
 from infinity.aio.files import fsync_path
 from infinity.aio.handle import AioHandle, AioSettings
 from infinity.errors import ConfigError, InfinityError
+from infinity.mounts import mount_of
 
 GB = 1e9
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -329,15 +330,7 @@ def expand_cases(args: argparse.Namespace) -> list[Case]:
 def describe_location(folder: str) -> dict:
     """Device, filesystem and mount point of ``folder``, and whether it accepts O_DIRECT."""
     real = os.path.realpath(folder)
-    best = ("", "?", "?")
-    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            mount_point = left.split()[4]
-            fstype, source = right.split()[:2]
-            inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-            if inside and len(mount_point) >= len(best[0]):
-                best = (mount_point, fstype, source)
+    mount = mount_of(real)
     probe = os.path.join(folder, f".infinity-odirect-probe-{os.getpid()}")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
@@ -348,7 +341,8 @@ def describe_location(folder: str) -> dict:
     finally:
         with contextlib.suppress(OSError):
             os.remove(probe)
-    return {"folder": real, "mount_point": best[0], "filesystem": best[1], "device": best[2], "direct_io": direct}
+    return {"folder": real, "mount_point": mount.mount_point if mount else "", "filesystem": mount.fstype if mount
+            else "?", "device": mount.source if mount else "?", "direct_io": direct}  # fmt: skip
 
 
 def check_folder(folder: str, io_size: int) -> None:

@@ -111,13 +111,12 @@ class Run:
         self.progress = Progress(total_steps=args.steps, first_step=first_step, enabled=plan.rank == 0)
         self._log_to(self.progress)
         disk = DiskBusy(plan.nvme_paths[0] if plan.nvme_paths else None)
-        io_start = io_totals(engine.tier_stats())
+        io_start = io_before = io_totals(engine.tier_stats())
         loop_started = time.perf_counter()
         losses: list[float] = []
         step_times: list[float] = []
         for step in range(first_step, args.steps):
             step_started = time.perf_counter()
-            io_before = io_totals(engine.tier_stats())
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
             for m in range(accumulation):
                 tokens = source.batch(rank=engine.global_rank, micro_step=step * accumulation + m,
@@ -134,6 +133,7 @@ class Run:
             self.steps_done = step + 1
             io_now = io_totals(engine.tier_stats())
             moved = (io_now.read_bytes + io_now.write_bytes) - (io_before.read_bytes + io_before.write_bytes)
+            io_before = io_now
             self.progress.update(StepFigures(step=step + 1, loss=losses[-1], step_s=step_s,
                                              tokens_per_s=tokens_per_step / step_s, io_gbps=moved / step_s / 1e9))
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:

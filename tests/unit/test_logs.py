@@ -23,6 +23,17 @@ def bare_logging():
         ours.propagate = saved[3]
 
 
+class Collect(logging.Handler):
+    """A user's handler on the root logger, keeping what reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage())
+
+
 def test_rank_0_sees_the_engine_lines(capsys):
     with bare_logging() as logger:
         install_default_handler(0)
@@ -41,18 +52,13 @@ def test_other_ranks_only_warn(capsys):
 
 
 def test_other_ranks_info_stays_out_of_logging_configured_later():
-    records = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
+    collect = Collect()
     with bare_logging() as logger:
         install_default_handler(1)
-        logging.getLogger().addHandler(Collect())
+        logging.getLogger().addHandler(collect)
         logger.info("step 10: loss 1.0")
         logger.warning("module order changed")
-    assert records == ["module order changed"]
+    assert collect.records == ["module order changed"]
 
 
 def test_configured_logging_is_left_alone():
@@ -63,15 +69,10 @@ def test_configured_logging_is_left_alone():
 
 
 def test_logging_configured_after_the_engine_takes_over(capsys):
-    records = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
+    collect = Collect()
     with bare_logging() as logger:
         install_default_handler(0)
-        logging.getLogger().addHandler(Collect())  # the user's basicConfig, after initialize()
+        logging.getLogger().addHandler(collect)  # the user's basicConfig, after initialize()
         logger.info("step 10: loss 1.0")
-    assert records == ["step 10: loss 1.0"]
+    assert collect.records == ["step 10: loss 1.0"]
     assert capsys.readouterr().err == ""  # said once, by the user's handler

@@ -15,6 +15,7 @@ import torch
 from infinity import report
 from infinity.cli import main as cli_main
 from infinity.errors import AioError
+from infinity.mounts import Mount, find_mount
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = [
@@ -148,9 +149,9 @@ def test_find_mount_takes_the_longest_mount_point():
             "24 22 0:6 / /mnt/fast\\040disk rw - tmpfs tmpfs rw",
         ]
     )
-    assert report.find_mount("/mnt/fast/swap", mountinfo) == report.Mount("/mnt/fast", "xfs", "/dev/nvme0n1")
-    assert report.find_mount("/mnt/fast disk/x", mountinfo).fstype == "tmpfs"
-    assert report.find_mount("/mnt/faster", mountinfo).fstype == "ext4"
+    assert find_mount("/mnt/fast/swap", mountinfo) == Mount("/mnt/fast", "xfs", "/dev/nvme0n1")
+    assert find_mount("/mnt/fast disk/x", mountinfo).fstype == "tmpfs"
+    assert find_mount("/mnt/faster", mountinfo).fstype == "ext4"
 
 
 def test_small_parsers():
