@@ -16,8 +16,8 @@ does, with infinity's zero.Init, and otherwise calls the original:
 
     get_init_context                         the model is built under zero.Init (no meta device, no weight
                                              initialization: the checkpoint overwrites it), as for DeepSpeed
-    _from_config                             the model is built under zero.Init with its own initialization
-                                             (zero.Init runs it on gathered parameters)
+    _from_config                             the model is built under zero.Init without initialization, then
+                                             initialized module by module on gathered parameters, by rank 0
     _load_pretrained_model                   the checkpoint goes into the partitions (below)
     _move_missing_keys_from_meta_to_device   nothing to move: nothing was on the meta device
     _initialize_missing_keys                 the weights the checkpoint lacks initialized on gathered parameters
@@ -191,8 +191,11 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
         if live is None or not live.is_zero3() or nested:
             return from_config(cls, config, **kwargs)
         _check_no_deepspeed_zero3()
-        with Init(config=live.config), modeling_utils.set_zero3_state():
-            return from_config(cls, config, **kwargs)
+        with no_init_weights(), Init(config=live.config), modeling_utils.set_zero3_state():
+            model = from_config(cls, config, **kwargs)
+        initialize_partitioned(model)
+        model.tie_weights()
+        return model
 
     def load_into_partitions(model, state_dict, checkpoint_files, load_config, expected_keys=None):
         if load_config.is_quantized or not _partitioned(model):
@@ -224,6 +227,39 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
         "_move_missing_keys_from_meta_to_device": move_missing_keys,
         "_initialize_missing_keys": initialize_missing_keys,
     }
+
+
+def initialize_partitioned(model: nn.Module) -> None:
+    """The model's own weight initialization, module by module in the order of ``initialize_weights`` (children
+    first), each module's parameters and its plain children's gathered while rank 0 initializes them. As
+    Transformers does for DeepSpeed: zero.Init alone would run the initialization on gathered copies, but loses
+    in-place edits of a slice (``init.zeros_(weight[padding_idx])``), and gathering one module at a time keeps
+    the memory to a module. The values are those of ``initialize_weights()`` on a model built without
+    initialization (``no_init_weights``) from the same random state, not those of a plain build, whose layer
+    constructors draw random numbers first."""
+    from transformers.initialization import guard_torch_init_functions
+    from transformers.modeling_utils import PreTrainedModel
+
+    rank = _comm(model).rank
+    custom = model.is_custom_code()
+
+    def apply(module: nn.Module, initialize) -> None:
+        for child in module.children():
+            apply(child, child._initialize_weights if isinstance(child, PreTrainedModel) else initialize)
+        params = list(module.parameters(recurse=False))
+        for child in module.children():  # _init_weights may reach into direct children (module.q_proj.weight)
+            if not isinstance(child, PreTrainedModel):
+                params += child.parameters(recurse=False)
+        with GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                initialize(module, custom)
+
+    with torch.no_grad(), guard_torch_init_functions():
+        apply(model, model._initialize_weights)
+
+
+def _comm(model: nn.Module):
+    return next(init_shard(p) for p in model.parameters() if init_shard(p) is not None).comm
 
 
 # --- the checkpoint into the partitions ---------------------------------------------------------------------
