@@ -83,14 +83,58 @@ def _rank_bytes(nvme: Path, rank: int) -> int:
     return sum(f.stat().st_size for f in nvme.rglob(f"rank{rank}/*") if f.is_file() and f.name != "lock")
 
 
-def _load_at_stage3(rank: int, world_size: int, checkpoints: dict, nvme_path: str) -> dict:
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _load_peak(load) -> int:
+    """How far resident memory rose above its level before ``load()`` and a first read of every weight.
+    Transformers 5 maps a safetensors checkpoint and its parameters stay views of the mapping until read, so
+    the whole model becomes resident at the first forward, not in from_pretrained: the read counts it."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the current RSS (the fork server's high-water mark is not ours)
+    before = _rss_bytes("VmRSS")
+    model = load()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.sum()
+    peak = _rss_bytes("VmHWM") - before
+    del model
+    gc.collect()
+    return peak
+
+
+def _peaks(big: str, tiny: str) -> dict:
+    """Resident memory added by loading ``big`` with Transformers' own loading, then partitioned."""
+    from transformers import AutoModelForCausalLM
+
+    import infinity.memory.host
+    from infinity.integrations.hf_loading import HfInfinityConfig
+
+    infinity.memory.host.return_freed_memory()  # as zero.Init does on entry: both loads are measured alike
+    AutoModelForCausalLM.from_pretrained(tiny)  # Transformers' lazily imported code, loaded before measuring
+    plain = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
+    hf_config = HfInfinityConfig(_stage3())
+    AutoModelForCausalLM.from_pretrained(tiny)
+    partitioned = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
+    del hf_config
+    gc.collect()
+    return {"plain": plain, "partitioned": partitioned}
+
+
+def _load_at_stage3(rank: int, world_size: int, checkpoints: dict, nvme_path: str, big: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_utils import PreTrainedModel
 
     from infinity.integrations.hf_loading import HfInfinityConfig, is_zero3_active
 
     original_init_context = PreTrainedModel.__dict__["get_init_context"]
-    out: dict = {}
+    out: dict = {} if big is None else _peaks(big, checkpoints["gpt2"])  # first, while the process is small
     plain_gpt2 = AutoModelForCausalLM.from_pretrained(checkpoints["gpt2"])
     plain_llama = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.bfloat16)
 
@@ -176,13 +220,7 @@ def _load_at_stage3(rank: int, world_size: int, checkpoints: dict, nvme_path: st
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_from_pretrained_under_stage3_loads_the_checkpoint_into_partitions(tmp_path, checkpoints, world_size):
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    results = run_distributed(
-        _load_at_stage3, world_size, tmp_path, timeout_s=240, checkpoints=checkpoints, nvme_path=str(nvme)
-    )
+def _check(results: list[dict], world_size: int) -> None:
     for result in results:
         assert result["active"]
         assert result["gpt2_partitioned"] and result["gpt2_tied"]
@@ -201,51 +239,16 @@ def test_from_pretrained_under_stage3_loads_the_checkpoint_into_partitions(tmp_p
         assert not result["dropped_active"] and result["dropped_untouched"] and result["dropped_whole"]
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def test_from_pretrained_under_stage3_at_world_size_1(tmp_path, checkpoints):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = run_distributed(_load_at_stage3, 1, tmp_path, timeout_s=240, checkpoints=checkpoints, nvme_path=str(nvme))
+    _check(results, 1)
 
 
-def _load_peak(load) -> int:
-    """How far resident memory rose above its level before ``load()`` and a first read of every weight.
-    Transformers 5 maps a safetensors checkpoint and its parameters stay views of the mapping until read, so
-    the whole model becomes resident at the first forward, not in from_pretrained: the read counts it."""
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the current RSS (the fork server's high-water mark is not ours)
-    before = _rss_bytes("VmRSS")
-    model = load()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.sum()
-    peak = _rss_bytes("VmHWM") - before
-    del model
-    gc.collect()
-    return peak
-
-
-def _peaks(rank: int, world_size: int, big: str, tiny: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    import infinity.memory.host
-    from infinity.integrations.hf_loading import HfInfinityConfig
-
-    infinity.memory.host.return_freed_memory()  # as zero.Init does on entry: both loads are measured alike
-    AutoModelForCausalLM.from_pretrained(tiny)  # Transformers' lazily imported code, loaded before measuring
-    plain = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
-    hf_config = HfInfinityConfig(_stage3())
-    AutoModelForCausalLM.from_pretrained(tiny)
-    partitioned = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
-    del hf_config
-    return {"plain": plain, "partitioned": partitioned}
-
-
-def test_from_pretrained_under_stage3_peaks_at_a_share_of_the_model(tmp_path, checkpoints):
-    """A 51 MB GPT-2 at world size 2: each rank's resident memory rises by about half the model plus a layer,
-    where Transformers' own loading holds the whole model."""
+def test_from_pretrained_under_stage3_at_world_size_2_in_a_share_of_the_memory(tmp_path, checkpoints):
+    """Everything of world size 1, and first a 49 MiB GPT-2 loaded both ways: each rank's resident memory rises by
+    about half the model plus a layer, where Transformers' own loading holds the whole model."""
     torch.manual_seed(0)
     big = transformers.GPT2LMHeadModel(_gpt2_config(vocab_size=256, n_positions=64, n_embd=512, n_layer=4, n_head=8))
     total = sum(p.numel() * p.element_size() for p in big.parameters())
@@ -254,11 +257,18 @@ def test_from_pretrained_under_stage3_peaks_at_a_share_of_the_model(tmp_path, ch
     path = _save(big, tmp_path / "big")
     del big
     (tmp_path / "run").mkdir()
-    results = run_distributed(_peaks, 2, tmp_path / "run", timeout_s=240, big=path, tiny=checkpoints["gpt2"])
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = run_distributed(
+        _load_at_stage3, 2, tmp_path / "run", timeout_s=240, checkpoints=checkpoints, nvme_path=str(nvme), big=path
+    )
     for result in results:
         assert result["plain"] >= 0.9 * total  # the measurement sees a whole model when there is one
         budget = total / 2 + layer + 4 * MiB  # about 1/N of the model and one layer
         assert result["partitioned"] <= budget, f"{result['partitioned'] / MiB:.1f} MiB > {budget / MiB:.1f} MiB"
-        print(f"peak above the start: plain {result['plain'] / MiB:.1f} MiB, partitioned "
-              f"{result['partitioned'] / MiB:.1f} MiB (model {total / MiB:.1f} MiB, a layer {layer / MiB:.1f} MiB, its "
-              f"largest weight {largest / MiB:.1f} MiB)")
+        print(
+            f"peak above the start: plain {result['plain'] / MiB:.1f} MiB, partitioned "
+            f"{result['partitioned'] / MiB:.1f} MiB (model {total / MiB:.1f} MiB, a layer {layer / MiB:.1f} MiB, its "
+            f"largest weight {largest / MiB:.1f} MiB)"
+        )
+    _check(results, 2)
