@@ -55,6 +55,9 @@ from infinity.errors import ConfigError
 from infinity.zero import collectives
 from infinity.zero.init import GatheredParameters, Init, init_shard
 
+# The transformers versions whose loading internals the wrappers follow (the hf extra in pyproject.toml pins them)
+SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))
+
 _live: weakref.ref[HfInfinityConfig] | None = None
 
 
@@ -85,11 +88,11 @@ def is_zero3_active() -> bool:
 
 def _make_live(config: HfInfinityConfig) -> None:
     global _live
-    _live = weakref.ref(config)
     if config.is_zero3():
         _Patches.install()
     else:
         _Patches.uninstall()
+    _live = weakref.ref(config)
     weakref.finalize(config, _on_collected, _live)
 
 
@@ -137,15 +140,17 @@ class _Patches:
     def install(cls) -> None:
         if cls.installed:
             return
+        import transformers
         from transformers.modeling_utils import PreTrainedModel
 
+        version = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
         missing = [name for name in cls.NAMES if name not in PreTrainedModel.__dict__]
-        if missing:
-            import transformers
-
+        if not SUPPORTED_TRANSFORMERS[0] <= version < SUPPORTED_TRANSFORMERS[1] or missing:
+            low, high = (".".join(map(str, v)) for v in SUPPORTED_TRANSFORMERS)
             raise ImportError(
-                f"transformers {transformers.__version__} has no PreTrainedModel.{', '.join(missing)}: load-time "
-                "partitioning supports the transformers versions pinned in infinity's hf extra"
+                f"load-time partitioning (HfInfinityConfig for ZeRO-3) supports transformers >={low},<{high} "
+                f"(infinity's hf extra), and this is transformers {transformers.__version__}: install a version "
+                f"in that range"
             )
         cls.originals = {name: _raw(PreTrainedModel, name) for name in cls.NAMES}
         cls.installed = _wrappers(cls.originals)
@@ -175,11 +180,11 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
     initialize_missing = originals["_initialize_missing_keys"]
 
     def init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels):
-        contexts = get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels)
         config = live_config()
         if config is None or not config.is_zero3() or is_quantized:
-            return contexts
-        _check_no_deepspeed_zero3()
+            return get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels)
+        _check_no_deepspeed_zero3()  # before the original, whose DeepSpeed branch would import deepspeed
+        contexts = get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels)
         contexts = [c for c in contexts if not (isinstance(c, torch.device) and c.type == "meta")]
         if not _is_ds_init_called:  # else an enclosing model's zero.Init partitions this one too
             contexts += [no_init_weights(), Init(config=config.config), modeling_utils.set_zero3_state()]

@@ -14,7 +14,7 @@ import infinity.zero
 from infinity.errors import ConfigError
 from tests.distributed.harness import run_distributed
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.24")  # the pinned range (pyproject.toml)
 pytest.importorskip("safetensors")
 
 MiB = 2**20
@@ -272,3 +272,40 @@ def test_from_pretrained_under_stage3_at_world_size_2_in_a_share_of_the_memory(t
             f"largest weight {largest / MiB:.1f} MiB)"
         )
     _check(results, 2)
+
+
+class _DeepSpeedZero3Config:
+    """What Transformers asks of a live HfDeepSpeedConfig (which needs DeepSpeed itself to be made)."""
+
+    config = {"zero_optimization": {"stage": 3}}
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def test_a_live_deepspeed_zero3_config_beside_ours_is_an_error():
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    from infinity.integrations.hf_loading import HfInfinityConfig, is_zero3_active
+
+    deepspeed_config = _DeepSpeedZero3Config()
+    set_hf_deepspeed_config(deepspeed_config)
+    try:
+        hf_config = HfInfinityConfig({"zero_optimization": {"stage": 3}})
+        with pytest.raises(ConfigError, match="both an HfDeepSpeedConfig for ZeRO-3"):
+            transformers.AutoModelForCausalLM.from_config(_gpt2_config())
+        del hf_config
+        gc.collect()
+        assert not is_zero3_active()
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_hf_infinity_config_errors_name_the_config(tmp_path):
+    from infinity.integrations.hf_loading import HfInfinityConfig, is_zero3_active
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        HfInfinityConfig(str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="stage"):
+        HfInfinityConfig({"zero_optimization": {"stage": 4}})
+    assert not is_zero3_active()
