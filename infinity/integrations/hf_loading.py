@@ -35,7 +35,8 @@ one tensor at a time with positional reads rather than a memory map (a mapped ch
 the process's resident set), so a rank holds its 1/N of the model plus one module whole, not the model.
 Sharded checkpoints (an index and several files) are one key space; a checkpoint without the base model's
 prefix is matched as Transformers matches it; renaming rules of the model (its weight conversion mapping) are
-applied; rules that merge or split tensors need the values, so with those rank 0 reads each file whole.
+applied; rules that merge or split tensors (MoE experts) need the values, so with those rank 0 reads the whole
+checkpoint into memory first.
 """
 
 from __future__ import annotations
@@ -327,9 +328,11 @@ class _Checkpoint:
         return values
 
 
-def _rename(model: nn.Module, checkpoint: _Checkpoint, expected: Mapping[str, Any], load_config) -> None:
-    """The model's renaming rules and the base-model prefix, as Transformers' ZeRO-3 loader applies them."""
+def _rename(model: nn.Module, checkpoint: _Checkpoint, expected: Mapping[str, Any], load_config) -> set[str]:
+    """The model's renaming rules and the base-model prefix, as Transformers' ZeRO-3 loader applies them; returns
+    the checkpoint's keys the renaming dropped as belonging to no parameter of the model (unexpected keys)."""
     mapping = getattr(load_config, "weight_mapping", None) or []
+    dropped: set[str] = set()
     if mapping:
         from transformers.core_model_loading import WeightConverter
         from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
@@ -340,8 +343,10 @@ def _rename(model: nn.Module, checkpoint: _Checkpoint, expected: Mapping[str, An
             for converted in _apply_weight_conversions_to_state_dict(model, state_dict, mapping):
                 checkpoint.add_state_dict(converted)
         else:  # renamings only: the values pass through untouched, still unread
-            renamed = next(_apply_weight_conversions_to_state_dict(model, dict(checkpoint.entries), mapping))
-            checkpoint.entries = dict(renamed)
+            original = dict(checkpoint.entries)
+            checkpoint.entries = dict(next(_apply_weight_conversions_to_state_dict(model, dict(original), mapping)))
+            kept = {id(entry) for entry in checkpoint.entries.values()}
+            dropped = {key for key, entry in original.items() if id(entry) not in kept}
         model._weight_conversions = mapping
     prefix = getattr(model, "base_model_prefix", None)
     if prefix:
@@ -349,6 +354,7 @@ def _rename(model: nn.Module, checkpoint: _Checkpoint, expected: Mapping[str, An
             (f"{prefix}.{key}" if key not in expected and f"{prefix}.{key}" in expected else key): entry
             for key, entry in checkpoint.entries.items()
         }
+    return dropped
 
 
 def _modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -374,7 +380,7 @@ def load_checkpoint_into_partitions(model: nn.Module, state_dict, checkpoint_fil
                 checkpoint.add_file(path, weights_only=getattr(load_config, "weights_only", True))
         else:
             raise ValueError("from_pretrained found neither a state dict nor checkpoint files to load")
-        _rename(model, checkpoint, expected, load_config)
+        dropped = _rename(model, checkpoint, expected, load_config)
         entries = checkpoint.entries
 
         def usable(key: str, tensor: torch.Tensor) -> bool:
@@ -412,7 +418,7 @@ def load_checkpoint_into_partitions(model: nn.Module, state_dict, checkpoint_fil
                     buffer.copy_(collectives.broadcast_(comm, value, src=0))
                 buffer._is_hf_initialized = True
                 loaded.add(key)
-        unexpected = set(entries) - set(expected)
+        unexpected = (set(entries) - set(expected)) | dropped
     return LoadStateDictInfo(
         missing_keys=set(expected) - loaded - {key for key, _, _ in mismatched},
         unexpected_keys=unexpected,

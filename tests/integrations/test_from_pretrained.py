@@ -49,9 +49,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     torch.manual_seed(0)
     gpt2 = _save(transformers.GPT2LMHeadModel(_gpt2_config()), root / "gpt2")
     base = _save(transformers.GPT2Model(_gpt2_config()), root / "gpt2-base")
+    classifier = _save(transformers.GPT2ForSequenceClassification(_gpt2_config()), root / "gpt2-classifier")
     llama = _save(transformers.LlamaForCausalLM(_llama_config()), root / "llama", max_shard_size="20KB")
     assert len(list(Path(llama).glob("*.safetensors"))) > 2 and (Path(llama) / "model.safetensors.index.json").exists()
-    return {"gpt2": gpt2, "gpt2-base": base, "llama": llama}
+    return {"gpt2": gpt2, "gpt2-base": base, "gpt2-classifier": classifier, "llama": llama}
 
 
 def _stage3(nvme_path: str | None = None) -> dict:
@@ -178,6 +179,8 @@ def _load_at_stage3(rank: int, world_size: int, checkpoints: dict, nvme_path: st
         classifier, info = GPT2ForSequenceClassification.from_pretrained(checkpoints["gpt2-base"],
                                                                           output_loading_info=True)  # fmt: skip
         head = GPT2LMHeadModel.from_pretrained(checkpoints["gpt2-base"])
+        _, loaded_info = GPT2LMHeadModel.from_pretrained(checkpoints["gpt2-classifier"], output_loading_info=True)
+        info = (info, loaded_info)
         llama_config = AutoConfig.from_pretrained(checkpoints["llama"])
         torch.manual_seed(8)
         if name == "partitioned":
@@ -231,7 +234,8 @@ def _check(results: list[dict], world_size: int) -> None:
         assert result["llama_differences"] == [] and result["llama_logits"]
         assert result["missing_partitioned"]
         assert result["loading_info"][0] == result["loading_info"][1]
-        assert result["loading_info"][0]["missing_keys"] == {"score.weight"}
+        (missing, unexpected), _ = result["loading_info"]
+        assert missing["missing_keys"] == {"score.weight"} and unexpected["unexpected_keys"] == {"score.weight"}
         assert result["missing_differences"] == {"classifier": [], "head": [], "built": []}
         assert result["padding_row"] == 0.0  # init.zeros_(weight[padding_idx]) reached the partitions
         assert result["mismatched"] == {("transformer.wpe.weight", (16, 32), (32, 32))}
