@@ -429,14 +429,16 @@ class Engine(nn.Module):
         self._phase_seconds["forward"] += time.perf_counter() - start
         return output
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients."""
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backpropagates loss * loss_scale / gradient_accumulation_steps and reduces the gradients. With
+        ``scale_wrt_gas=False`` (DeepSpeed's keyword) the loss is not divided by the accumulation steps: the caller
+        already did, as Transformers' Trainer does."""
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         start = time.perf_counter()
         self._window_loss += loss.detach().double()  # no sync here: read every steps_per_print steps
         self._window_micro_steps += 1
-        scale = self.loss_scaler.scale / self.config.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale
         self.zero_optimizer.begin_backward(
             scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale

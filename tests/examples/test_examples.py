@@ -38,12 +38,17 @@ def assert_loss_fell(done: subprocess.CompletedProcess) -> None:
     assert last < first, lines[-1]
 
 
-@pytest.mark.parametrize("script", ["train_mlp.py", "hf_causal_lm.py"])
+@pytest.mark.parametrize("script", ["train_mlp.py", "hf_causal_lm.py", "hf_trainer.py"])
 def test_example_single_process(script, tmp_path):
-    if script == "hf_causal_lm.py":
+    if script.startswith("hf_"):
         pytest.importorskip("transformers")
-    done = run([sys.executable, str(EXAMPLES / script), "--steps", "3"], cwd=tmp_path, timeout=120)
+    if script == "hf_trainer.py":
+        pytest.importorskip("accelerate")
+    extra = ["--output-dir", str(tmp_path / "out")] if script == "hf_trainer.py" else []
+    done = run([sys.executable, str(EXAMPLES / script), "--steps", "3", *extra], cwd=tmp_path, timeout=120)
     assert_loss_fell(done)
+    if script == "hf_trainer.py":  # save_model wrote a folder from_pretrained loads
+        assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "config.json").is_file()
     if script == "hf_causal_lm.py":  # steps_per_print 1: the engine's line, with no logging configured
         assert re.search(r"^\[infinity\] step 3: loss \d", done.stderr, re.M), done.stderr[-3000:]
 

@@ -1,0 +1,199 @@
+"""Transformers' Trainer on the infinity engine: two class names change in the user's script.
+
+    args = InfinityTrainingArguments(output_dir="out", infinity="ds_config.json", ...)   # was TrainingArguments
+    trainer = InfinityTrainer(model=model, args=args, train_dataset=...)                  # was Trainer
+
+Trainer's DeepSpeed branches need the real deepspeed package (its distribution metadata and version), so they must
+never run: InfinityTrainingArguments takes the config as ``infinity=`` (``deepspeed=`` is accepted and moved
+there) and fills its "auto" values from the arguments, as Transformers does for DeepSpeed (hf_config.py);
+InfinityTrainer runs Trainer's ordinary, non-DeepSpeed path with an InfinityAccelerator in place of Accelerate's,
+which turns prepare(model, optimizer) into the engine. The Trainer then divides the loss by the accumulation steps
+itself (the engine does not divide again), marks each micro-batch's ``sync_gradients`` (the engine's window
+follows it) and runs non-final micro-batches under ``no_sync`` (nothing to switch off: the engine reduces as its
+window requires). The Trainer's own scheduler is built on the engine's param groups and stepped once per optimizer
+step; a scheduler from the JSON is stepped by the engine. evaluate() and predict() call the bare model: at stage 3
+its modules carry the engine's hooks, which gather each unit as it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import os
+from typing import Any
+
+import torch
+from accelerate.utils.deepspeed import DummyOptim  # a plain class: no deepspeed import
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import SAFE_WEIGHTS_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from infinity.config import load_json
+from infinity.errors import CheckpointError, ConfigError
+from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler
+from infinity.integrations.hf_config import fill_from_model, fill_from_training_args
+from infinity.integrations.hf_loading import HfInfinityConfig
+
+logger = logging.getLogger("infinity")
+
+
+@dataclasses.dataclass
+class InfinityTrainingArguments(TrainingArguments):
+    """TrainingArguments with ``infinity=`` (a DeepSpeed-style config: a dict or a JSON path). ``deepspeed=`` is
+    taken as ``infinity=`` so that Transformers' DeepSpeed code never runs. After construction:
+    ``infinity_config`` is the config with the arguments' "auto" values filled (phase 1; the model's and the
+    schedule's are filled when training starts), and ``hf_infinity_config`` keeps it where from_pretrained looks
+    for it (stage 3 partitions the model at load time), as TrainingArguments keeps ``hf_deepspeed_config``."""
+
+    infinity: dict | str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "The infinity (DeepSpeed-style) config: a JSON file's path or a dict; 'auto' allowed."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.deepspeed is not None:
+            if self.infinity is not None and self.infinity != self.deepspeed:
+                raise ConfigError(
+                    f"InfinityTrainingArguments got infinity={self.infinity!r} and deepspeed={self.deepspeed!r}: "
+                    "give the config once (either name)"
+                )
+            self.infinity, self.deepspeed = self.deepspeed, None
+        if self.infinity is None:
+            raise ConfigError(
+                "InfinityTrainingArguments needs infinity=<a DeepSpeed-style config: a JSON file's path or a dict>"
+            )
+        if isinstance(self.infinity, os.PathLike):
+            self.infinity = os.fspath(self.infinity)
+        super().__post_init__()
+        self.infinity_config = fill_from_training_args(load_json(self.infinity), self, world_size=self.world_size)
+        # The engine owns precision (the config's fp16/bf16, filled from fp16/bf16 above) and loss scaling:
+        # Accelerate must set up neither autocast nor a GradScaler.
+        self.mixed_precision = "no"
+        self.hf_infinity_config = HfInfinityConfig(self.infinity_config)
+
+    @property
+    def place_model_on_device(self) -> bool:
+        """The engine places the model (at stage 3, one unit at a time): the Trainer must not move it whole."""
+        return False
+
+
+class InfinityTrainer(Trainer):
+    """A Trainer whose model trains on the infinity engine (``args`` must be InfinityTrainingArguments).
+
+    Overrides, and why:
+    - create_accelerator_and_postprocess: an InfinityAccelerator in place of Accelerate's; the Trainer divides the
+      loss itself (``scale_wrt_gas`` off) and the model's and schedule's "auto" values are filled just before
+      the engine is built.
+    - create_optimizer: with an "optimizer" section the engine builds it (a DummyOptim stands in, as with
+      DeepSpeed); without one, the Trainer's optimizer is handed to the engine.
+    - create_scheduler: the JSON's scheduler, stepped by the engine, behind a wrapper; else Trainer's own.
+    - save_model: the weights gathered in 16 bits into model.safetensors with config.json (from_pretrained loads
+      the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, the engine's checkpoint instead.
+    - _save_optimizer_and_scheduler / _load_optimizer_and_scheduler: the engine's sharded checkpoint (never rank
+      0's optimizer.pt); the Trainer's own scheduler still goes to scheduler.pt.
+    - _load_from_checkpoint: nothing before prepare; the engine's checkpoint brings the weights with the rest.
+    - _load_best_model: the weights from the best checkpoint's engine checkpoint.
+    """
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if not isinstance(self.args, InfinityTrainingArguments):
+            raise ConfigError(
+                f"InfinityTrainer needs InfinityTrainingArguments (with infinity=...), got {type(self.args).__name__}"
+            )
+        super().create_accelerator_and_postprocess()  # builds Accelerate's, with the Trainer's arguments
+        kwargs = dict(self._accelerator_kwargs)
+        kwargs.pop("deepspeed_plugin", None)
+        self.accelerator = InfinityAccelerator(infinity=self.args.infinity_config, **kwargs)
+        self.accelerator.scale_wrt_gas = False  # training_step divided the loss by the accumulation steps
+        self.accelerator.finalize_config = self._finalize_config
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
+            )
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        args = super()._build_accelerator_args(**kwargs)
+        self._accelerator_kwargs = dict(args)
+        return args
+
+    def _finalize_config(self, config: dict, model: nn.Module) -> dict:
+        """Phase 2 of "auto": the hidden size from the model's config and the schedule's step counts."""
+        model_config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        max_steps = getattr(getattr(self, "state", None), "max_steps", 0) or 0
+        return fill_from_model(config, self.args, model_config=model_config, num_training_steps=max_steps)
+
+    @property
+    def engine(self):
+        """The infinity engine, once train() (or evaluate() at stage 3) has built it; else None."""
+        return self.accelerator.engine
+
+    def create_optimizer(self, model: nn.Module | None = None):
+        if "optimizer" not in self.args.infinity_config:
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            self.optimizer = DummyOptim(params=[p for p in opt_model.parameters() if p.requires_grad])
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        engine = self.engine
+        if self.lr_scheduler is None and engine is not None and engine.lr_scheduler is not None:
+            self.lr_scheduler = InfinityScheduler(engine.lr_scheduler, self.optimizer)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    # ---- saving ----
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        engine = self.engine
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        if engine.save_16bit_model(output_dir, SAFE_WEIGHTS_NAME):
+            if self.args.should_save:
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        else:
+            logger.warning(
+                "save_model: stage3_gather_16bit_weights_on_model_save is false, so %s gets the engine's checkpoint "
+                "instead of model.safetensors (`infinity ckpt to-fp32` makes safetensors from it)", output_dir
+            )  # fmt: skip
+            if not (_internal_call and not self.args.save_only_model):  # _save_checkpoint saves it next anyway
+                engine.save_checkpoint(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir)
+        if self.args.should_save and not isinstance(self.lr_scheduler, InfinityScheduler):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    # ---- resuming ----
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, "latest")):
+            raise CheckpointError(
+                f"{resume_from_checkpoint!r} holds no infinity engine checkpoint (no 'latest' file): resume from a "
+                "checkpoint-<step> folder that InfinityTrainer saved"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path, _ = self.engine.load_checkpoint(checkpoint)
+        if path is None:
+            raise CheckpointError(f"{checkpoint!r} holds no infinity engine checkpoint (no 'latest' file)")
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if not isinstance(self.lr_scheduler, InfinityScheduler) and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        path, _ = self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False,
+                                              load_module_only=True)  # fmt: skip
+        if path is None:
+            raise CheckpointError(f"the best checkpoint {best!r} holds no infinity engine checkpoint")

@@ -1,0 +1,152 @@
+"""InfinityTrainer against the plain Trainer: the same seeded tiny GPT-2, data and TrainingArguments (accumulation
+2, max_grad_norm 1.0, fp32), only the two class names changed. Logged losses and gradient norms must agree within
+1e-5 relative, and evaluate() too, at stage 2 and 3 (and stage 3 with the optimizer on NVMe), at world size 1 and
+in one world-size-2 run (which also runs the InfinityAccelerator loop). A DeepSpeed JSON full of "auto" values
+runs unchanged (given as deepspeed=); save_model loads back with from_pretrained; a run resumed from its step-4
+checkpoint reproduces steps 5-8."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from infinity.errors import ConfigError  # noqa: E402
+from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments  # noqa: E402
+from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.integrations.test_accelerator import (  # noqa: E402
+    CountingData,
+    accelerate_loop,
+    assert_close,
+    stage_config,
+    tiny_gpt2,
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+def training_arguments(output_dir, **overrides) -> dict:
+    args = dict(output_dir=str(output_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-2, max_steps=4, logging_steps=1,
+                report_to=[], seed=0, save_strategy="no", disable_tqdm=True, use_cpu=True)  # fmt: skip
+    return {**args, **overrides}
+
+
+def train(config: dict | str | None, output_dir, *, train_samples: int = 16, resume=None, **overrides):
+    """One Trainer run; config None is the plain Trainer. Returns (per-step logs, eval metrics, trainer)."""
+    kwargs = training_arguments(output_dir, **overrides)
+    data = {"train_dataset": CountingData(train_samples), "eval_dataset": CountingData(8, seed=2)}
+    if config is None:
+        trainer = Trainer(model=tiny_gpt2(), args=TrainingArguments(**kwargs), **data)
+    else:  # the two lines a user changes
+        trainer = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(infinity=config, **kwargs), **data)
+    trainer.train(resume_from_checkpoint=resume)
+    metrics = trainer.evaluate()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    return steps, metrics, trainer
+
+
+def assert_same_run(got, want, what: str) -> None:
+    (steps, metrics, _), (plain_steps, plain_metrics, _) = got, want
+    assert [s["step"] for s in steps] == [s["step"] for s in plain_steps], what
+    assert_close([s["loss"] for s in steps], [s["loss"] for s in plain_steps], f"{what} loss")
+    assert_close([s["grad_norm"] for s in steps], [s["grad_norm"] for s in plain_steps], f"{what} grad_norm")
+    assert [s["learning_rate"] for s in steps] == [s["learning_rate"] for s in plain_steps], what
+    assert math.isclose(metrics["eval_loss"], plain_metrics["eval_loss"], rel_tol=1e-5), (what, metrics)
+
+
+def test_trainer_matches_plain_trainer(tmp_path):
+    plain = train(None, tmp_path / "plain")
+    for name, config in (("stage 2", stage_config(2)),
+                         ("stage 3, optimizer on nvme", stage_config(3, nvme_path=tmp_path / "swap"))):  # fmt: skip
+        run = train(config, tmp_path / name.replace(" ", "_"))
+        assert_same_run(run, plain, name)
+        run[2].engine.destroy()
+
+
+def test_deepspeed_auto_config_saves_and_resumes(tmp_path):
+    """Transformers' docs' ZeRO-3 JSON ("auto" everywhere, its own AdamW and WarmupDecayLR, offload to the CPU),
+    passed as deepspeed=: filled from the arguments and the model; save_model loads with from_pretrained; a
+    resume from checkpoint-4 logs the same steps 5-8."""
+    config = str(HERE / "ds_config_zero3_auto.json")
+    # warmup_steps: the default 0 would fill warmup_num_steps 0, which the schedule refuses (Transformers fills
+    # max(1, ...); hf_config.py does not yet).
+    args = training_arguments(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4, warmup_steps=2,
+                              deepspeed=config)  # fmt: skip
+    trainer = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(**args),
+                              train_dataset=CountingData(32))  # fmt: skip
+    assert trainer.args.deepspeed is None and trainer.args.infinity == config
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    engine = trainer.engine
+    filled = engine.config
+    assert (filled.train_micro_batch_size_per_gpu, filled.gradient_accumulation_steps) == (2, 2)
+    assert filled.gradient_clipping == 1.0 and filled.zero.reduce_bucket_size == 32 * 32
+    assert filled.zero.stage3_param_persistence_threshold == 10 * 32
+    assert [s["learning_rate"] for s in steps][-1] < max(s["learning_rate"] for s in steps)  # warmup, then decay
+    assert all(math.isfinite(s["loss"]) for s in steps) and len(steps) == 8
+
+    trainer.save_model(tmp_path / "saved")
+    state = trainer.accelerator.get_state_dict(engine)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["n_embd"] == 32
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    engine.destroy()
+
+    resumed = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(**args), train_dataset=CountingData(32))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    # The history before step 5 comes back from the checkpoint's trainer_state.json.
+    again = [h for h in resumed.state.log_history if "loss" in h and h["step"] > 4]
+    assert [s["step"] for s in again] == [5, 6, 7, 8]
+    assert_close([s["loss"] for s in again], [s["loss"] for s in steps[4:]], "resumed loss")
+    assert [s["learning_rate"] for s in again] == [s["learning_rate"] for s in steps[4:]]
+    resumed.engine.destroy()
+
+
+def test_training_arguments_refuse_contradictions(tmp_path):
+    config = {**stage_config(2), "gradient_clipping": 0.5}
+    with pytest.raises(ConfigError, match=r"gradient_clipping=0.5 vs TrainingArguments max_grad_norm=1.0"):
+        InfinityTrainingArguments(infinity=config, **training_arguments(tmp_path))
+    with pytest.raises(ConfigError, match="give the config once"):
+        InfinityTrainingArguments(infinity=stage_config(2), deepspeed=stage_config(3), **training_arguments(tmp_path))
+    with pytest.raises(ConfigError, match="needs InfinityTrainingArguments"):
+        InfinityTrainer(model=tiny_gpt2(), args=TrainingArguments(**training_arguments(tmp_path)))
+
+
+def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
+    # Accelerate's CPU multi-process state reads the launcher's variables; the harness already joined the gloo
+    # group (Accelerate keeps it) and runs both processes on this node.
+    os.environ.update({"LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    out = {}
+    for name, config in (("plain", None), ("stage 2", stage_config(2)), ("stage 3", stage_config(3))):
+        steps, metrics, trainer = train(config, os.path.join(tmp, name.replace(" ", "_")))
+        out[name] = (steps, metrics, None)
+        if config is not None:
+            trainer.engine.destroy()
+    for name, config in (("accelerate plain", None), ("accelerate stage 3", stage_config(3))):
+        losses, norms, _, model = accelerate_loop(config)
+        out[name] = (losses, norms)
+        if config is not None:
+            model.destroy()
+    return out
+
+
+def test_world_size_2(tmp_path):
+    results = run_distributed(_world_size_2, 2, tmp_path, timeout_s=240, tmp=str(tmp_path))
+    for rank, out in enumerate(results):
+        for name in ("stage 2", "stage 3"):
+            assert_same_run(out[name], out["plain"], f"rank {rank} {name}")
+        assert_close(out["accelerate stage 3"][0], out["accelerate plain"][0], f"rank {rank} accelerate losses")
+        assert_close(out["accelerate stage 3"][1], out["accelerate plain"][1], f"rank {rank} accelerate norms")
+    # The accelerate loop's losses are each rank's own: different shares, so the data really was split.
+    assert results[0]["accelerate plain"][0][0] != results[1]["accelerate plain"][0][0]
