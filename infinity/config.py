@@ -522,8 +522,12 @@ def _fill_auto(raw: dict, auto: AutoValues) -> dict:
             "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
             "stage3_param_persistence_threshold": lambda h: 10 * h,
         }
-        for key, value in zero.items():
+        below_stage3 = zero.get("stage", 0) != 3
+        for key, value in list(zero.items()):
             if value == AUTO:
+                if below_stage3 and key.startswith("stage3_"):
+                    del zero[key]  # as DeepSpeed: a stage-3 knob means nothing below stage 3, "auto" or not
+                    continue
                 if key not in rules:
                     raise ConfigError(f'zero_optimization.{key} cannot be "auto"; set a value')
                 zero[key] = rules[key](need(f"zero_optimization.{key} (from the model's hidden size)", hidden))

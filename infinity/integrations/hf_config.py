@@ -120,6 +120,11 @@ def hidden_size(model_config) -> int | None:
     return None
 
 
+def _is_stage3(config: Mapping[str, Any]) -> bool:
+    zero = config.get("zero_optimization")
+    return isinstance(zero, Mapping) and zero.get("stage") == 3
+
+
 def fill_from_model(config: Mapping[str, Any], args, *, model_config, num_training_steps: int) -> dict:
     """Phase 2: the hidden-size-based ZeRO knobs and the scheduler's step counts."""
     filler = _Filler(copy.deepcopy(dict(config)))
@@ -132,9 +137,12 @@ def fill_from_model(config: Mapping[str, Any], args, *, model_config, num_traini
                 f"{', '.join(autos)} cannot be \"auto\"; set numbers"
             )
         for key in autos:
+            if key.startswith("zero_optimization.stage3_") and not _is_stage3(filler.config):
+                continue  # as Transformers: left "auto" below stage 3, where nothing reads them
             filler.fill(key, HIDDEN_SIZE_KEYS[key](size))
     filler.fill("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
-    filler.fill("scheduler.params.warmup_num_steps", args.get_warmup_steps(num_training_steps),
+    # At least 1, as Transformers fills it: a schedule without warmup still needs a positive warmup_num_steps.
+    filler.fill("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)),
                 "warmup_steps")  # fmt: skip
     filler.raise_mismatches()
     return filler.config

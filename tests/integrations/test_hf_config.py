@@ -90,3 +90,20 @@ def test_the_core_never_imports_transformers():
             "assert 'transformers' not in sys.modules and 'accelerate' not in sys.modules, 'imported'")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_below_stage3_the_stage3_knobs_stay_auto_and_warmup_is_at_least_one(tmp_path):
+    """As Transformers: stage 3's hidden-size knobs are filled only at stage 3 (the engine drops them below it),
+    and a run without warmup still gets warmup_num_steps 1 (the schedule refuses 0)."""
+    config = json.loads(json.dumps(AUTO_CONFIG))
+    config["zero_optimization"]["stage"] = 2
+    config["zero_optimization"].pop("offload_param", None)  # stage 3 only
+    args = training_args(tmp_path, warmup_steps=0)
+    config = fill_from_model(fill_from_training_args(config, args, world_size=1), args,
+                             model_config=gpt2_config(64), num_training_steps=50)  # fmt: skip
+    zero = config["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 64 * 64
+    assert zero["stage3_prefetch_bucket_size"] == "auto" and zero["stage3_param_persistence_threshold"] == "auto"
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 1
+    parsed = parse_config(config, world_size=1)  # nothing left to fill the stage-3 knobs from: dropped
+    assert parsed.zero.stage == 2 and parsed.scheduler is not None

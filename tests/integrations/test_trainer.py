@@ -21,7 +21,9 @@ pytest.importorskip("accelerate")
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from infinity.errors import ConfigError  # noqa: E402
+from infinity.integrations.hf_loading import is_zero3_active  # noqa: E402
 from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments  # noqa: E402
+from infinity.zero import GatheredParameters  # noqa: E402
 from tests.distributed.harness import run_distributed  # noqa: E402
 from tests.integrations.test_accelerator import (  # noqa: E402
     CountingData,
@@ -78,10 +80,7 @@ def test_deepspeed_auto_config_saves_and_resumes(tmp_path):
     passed as deepspeed=: filled from the arguments and the model; save_model loads with from_pretrained; a
     resume from checkpoint-4 logs the same steps 5-8."""
     config = str(HERE / "ds_config_zero3_auto.json")
-    # warmup_steps: the default 0 would fill warmup_num_steps 0, which the schedule refuses (Transformers fills
-    # max(1, ...); hf_config.py does not yet).
-    args = training_arguments(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4, warmup_steps=2,
-                              deepspeed=config)  # fmt: skip
+    args = training_arguments(tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4, deepspeed=config)
     trainer = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(**args),
                               train_dataset=CountingData(32))  # fmt: skip
     assert trainer.args.deepspeed is None and trainer.args.infinity == config
@@ -97,10 +96,14 @@ def test_deepspeed_auto_config_saves_and_resumes(tmp_path):
 
     trainer.save_model(tmp_path / "saved")
     state = trainer.accelerator.get_state_dict(engine)
+    # The arguments' stage-3 config is alive, so from_pretrained partitions the model as it loads (as with
+    # DeepSpeed's HfDeepSpeedConfig): gathered, it holds the saved weights.
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    assert is_zero3_active() and all(p.numel() == 0 for p in loaded.parameters())
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["n_embd"] == 32
-    for key, value in loaded.state_dict().items():
-        assert torch.equal(value, state[key]), key
+    with GatheredParameters(list(loaded.parameters())):
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, state[key]), key
     engine.destroy()
 
     resumed = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(**args), train_dataset=CountingData(32))
