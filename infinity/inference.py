@@ -45,18 +45,22 @@ def is_inference(raw_config: Mapping[str, Any], optimizer) -> bool:
     return optimizer is None and raw_config.get("optimizer") is None
 
 
-def inference_config(raw_config: Mapping[str, Any]) -> dict:
-    """The config as an inference engine reads it: the batch keys size training only, so when none is set (or
-    they are "auto", with no TrainingArguments or loader to fill them) a micro batch of 1 stands in."""
+def inference_config(raw_config: Mapping[str, Any]) -> tuple[dict, list[str]]:
+    """The config as an inference engine reads it, and the keys it leaves out, so a training config runs unchanged
+    (Transformers' evaluation without training removes only the optimizer): the batch keys size training only, so
+    when none is set (or they are "auto", with nothing to fill them) a micro batch of 1 stands in; "scheduler",
+    which DeepSpeed only builds with an optimizer, and an "auto" gradient_clipping are left out."""
     raw = dict(raw_config)
     if all(raw.get(key) in (None, AUTO) for key in BATCH_KEYS):
         for key in BATCH_KEYS:
             raw.pop(key, None)
         raw["train_micro_batch_size_per_gpu"] = 1
-    if raw.get("scheduler") is not None:
-        raise ConfigError(f'the config has a "scheduler" section but no optimizer for it to drive; to train, '
-                          f'{TO_TRAIN}; for inference, remove "scheduler"')  # fmt: skip
-    return raw
+    unused = []
+    if raw.pop("scheduler", None) is not None:
+        unused.append("scheduler")
+    if raw.get("gradient_clipping") == AUTO:
+        unused.append(f"gradient_clipping={raw.pop('gradient_clipping')!r}")
+    return raw, unused
 
 
 class InferenceEngine(Engine):
@@ -66,14 +70,17 @@ class InferenceEngine(Engine):
         nn.Module.__init__(self)
         if lr_scheduler is not None:
             raise ConfigError(f"lr_scheduler= was given but no optimizer for it to drive; to train, {TO_TRAIN}")
-        self._join(model, inference_config(config), user_optimizer=None, training_data=training_data)
+        raw, unused = inference_config(config)
+        self._join(model, raw, user_optimizer=None, training_data=training_data)
         zero = self.config.zero
         self.optimizer = self.zero_optimizer = self.lr_scheduler = None
         self.loss_scaler = None  # nothing is ever scaled
         self.stage3 = None
         self._fetch_stats = FetchStats()
-        if zero.offload_optimizer.enabled and self.comm.rank == 0:
-            logger.info("inference engine: no optimizer, so zero_optimization.offload_optimizer is unused")
+        if zero.offload_optimizer.enabled:
+            unused.append("zero_optimization.offload_optimizer")
+        if unused and self.comm.rank == 0:
+            logger.info("inference engine: no optimizer, so these settings are unused: %s", ", ".join(unused))
         if zero.stage == 3:
             self._partition_for_inference()
         else:

@@ -1,5 +1,6 @@
 """ZeRO-Inference at world size 2: stage 3 with the weights on NVMe, generate() and the eval forward against the
-plain model on every rank, with ranks whose sequences stop at different lengths."""
+plain model on every rank, with ranks whose sequences stop at different lengths (synced_gpus on by default while
+the engine lives; an explicit False fails within collective_timeout). One run checks all of it."""
 
 import torch
 
@@ -14,8 +15,8 @@ def _generate_on_every_rank(*, rank: int, world_size: int, nvme_path: str, model
 
     plain = load_tiny_gpt2(model_dir)
     prompt = torch.tensor([PROMPTS[rank]])
-    # Rank 0 stops at the eos it meets as its second new token; rank 1 runs 8 new tokens without an eos: rank 0
-    # finishes first and must keep taking part in rank 1's fetches
+    # Rank 0 stops at an eos, its second new token (its first, if that is the same token); rank 1 runs 8 new
+    # tokens without an eos: rank 0 finishes first and must keep taking part in rank 1's fetches
     kwargs = {"max_new_tokens": 8}
     if rank == 0:
         kwargs["eos_token_id"] = int(greedy(plain, prompt, max_new_tokens=2)[0, -1])
@@ -39,6 +40,7 @@ def _generate_on_every_rank(*, rank: int, world_size: int, nvme_path: str, model
     restored = "generate" not in engine.module.__dict__  # the synced_gpus default goes with the engine
     assert optimizer is None and scheduler is None
     return {
+        "unsynced": _unsynced_generate(rank, nvme_path, model_dir, prompt, kwargs),
         "logits_equal": torch.equal(logits, logits_reference),
         "bare_equal": torch.equal(bare_logits, logits_reference),
         "new_tokens": [g.shape[1] - prompt.shape[1] for g in generated],
@@ -47,6 +49,23 @@ def _generate_on_every_rank(*, rank: int, world_size: int, nvme_path: str, model
         "nvme_read_bytes": stats["traffic"]["nvme_read"]["bytes"],
         "generate_restored": restored,
     }
+
+
+def _unsynced_generate(rank: int, nvme_path: str, model_dir: str, prompt, kwargs) -> str:
+    """An explicit synced_gpus=False is respected: rank 0 leaves generate() while rank 1 still fetches. Rank 1 gets
+    a CollectiveError within collective_timeout (3 s here), not a hang; rank 0 finishes."""
+    import infinity
+    from infinity.errors import CollectiveError
+
+    config = {**stage3_nvme_config(nvme_path), "collective_timeout": 3}
+    engine, *_ = infinity.initialize(model=load_tiny_gpt2(model_dir), config=config)
+    try:
+        greedy(engine.module, prompt, synced_gpus=False, **kwargs)
+        outcome = "finished"
+    except CollectiveError as e:
+        outcome = str(e)
+    engine.destroy()
+    return outcome
 
 
 def test_stage3_nvme_generate_matches_the_plain_model_on_both_ranks(tmp_path):
@@ -60,3 +79,5 @@ def test_stage3_nvme_generate_matches_the_plain_model_on_both_ranks(tmp_path):
         assert result["new_tokens"] == [result["reference_new_tokens"]] * 3, rank
         assert result["nvme_read_bytes"] > 0 and result["generate_restored"], rank
     assert results[0]["reference_new_tokens"] < results[1]["reference_new_tokens"] == 8  # rank 0 stopped early
+    assert results[0]["unsynced"] == "finished"
+    assert "ZeRO-3 fetch" in results[1]["unsynced"] and "collective_timeout" in results[1]["unsynced"]

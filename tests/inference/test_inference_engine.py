@@ -76,22 +76,23 @@ def test_training_calls_and_training_sections_are_clear_errors(model_dir, tmp_pa
         with pytest.raises(ConfigError, match=r'inference engine.*no optimizer.*add an "optimizer" section'):
             call()
     engine.destroy()
-    config = {"zero_optimization": {"stage": 3}, "scheduler": {"type": "WarmupLR", "params": {}}}
-    with pytest.raises(ConfigError, match='"scheduler" section but no optimizer'):
-        infinity.initialize(model=load_tiny_gpt2(model_dir), config=config)
     with pytest.raises(ConfigError, match="lr_scheduler= was given but no optimizer"):
         infinity.initialize(model=load_tiny_gpt2(model_dir), config={}, lr_scheduler=lambda optimizer: None)
     with pytest.raises(ConfigError, match="no optimizer: pass optimizer="):
         Engine(model=load_tiny_gpt2(model_dir), config={"train_micro_batch_size_per_gpu": 1})
 
 
-def test_below_stage3_the_whole_model_is_on_the_device_in_the_compute_dtype(model_dir):
+def test_below_stage3_the_whole_model_is_on_the_device_in_the_compute_dtype(model_dir, caplog):
     plain = load_tiny_gpt2(model_dir).to(torch.bfloat16)
     prompt = torch.tensor([[5, 17, 33, 2]])
-    # a training config with "auto" batch sizes and optimizer offload, as Trainer's inference path leaves it
-    config = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
+    # a training config with "auto" values, a scheduler and optimizer offload, as Trainer's evaluation without
+    # training leaves it (it removes the optimizer only): what needs an optimizer is unused, and said so
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": True},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
-    engine, optimizer, _, _ = infinity.initialize(model=load_tiny_gpt2(model_dir), config=config)
+    with caplog.at_level("INFO", logger="infinity"):
+        engine, optimizer, _, _ = infinity.initialize(model=load_tiny_gpt2(model_dir), config=config)
+    assert "unused: scheduler, gradient_clipping='auto', zero_optimization.offload_optimizer" in caplog.text
     assert optimizer is None and engine.tier_stats() == {}
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     with torch.no_grad():
