@@ -23,6 +23,7 @@ from torch import nn
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import CheckpointError, ConfigError
+from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import return_freed_memory, trim_heap
@@ -74,8 +75,10 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
 
 def _remove_hooks(zero_optimizer, stage3: Stage3 | None) -> None:
     """The hooks on the model's parameters and modules refer to the optimizer and the stage-3 runtime: without
-    removing them, a dropped engine would live (and keep training state) as long as the model."""
-    zero_optimizer.close()
+    removing them, a dropped engine would live (and keep training state) as long as the model. An inference
+    engine has no optimizer (None)."""
+    if zero_optimizer is not None:
+        zero_optimizer.close()
     if stage3 is not None:
         stage3.close()
 
@@ -235,24 +238,9 @@ class Engine(nn.Module):
         collate_fn=None,
     ) -> None:
         super().__init__()
-        return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
-        raw_config = load_json(config)
-        self.raw_config = dict(raw_config)  # as given: checkpoints record it
-        self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
-        self.comm = self.distributed.comm
-        install_default_handler(self.comm.rank)  # steps_per_print lines appear without logging set up (logs.py)
         user_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self.config: Config = parse_config(
-            raw_config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
-        )
-        self.device = compute_device()
-        self.compute_dtype = compute_dtype(self.config)
+        self._join(model, load_json(config), user_optimizer=user_optimizer, training_data=training_data)
         zero = self.config.zero
-        # Stage 3 moves parameters to the device unit by unit as it partitions them: the whole model never is.
-        self.module = model if zero.stage == 3 else model.to(self.device)
-        for buffer in self.module.buffers():
-            dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype
-            buffer.data = buffer.data.to(device=self.device, dtype=dtype)
         groups = _param_groups(self.module, model_parameters)
         if user_optimizer is not None:
             torch_optimizer = user_optimizer
@@ -262,7 +250,10 @@ class Engine(nn.Module):
             on_cpu = zero.offload_optimizer.enabled or self.device.type == "cpu"
             torch_optimizer = build_optimizer(self.config, groups, on_cpu=on_cpu)
         else:
-            raise ConfigError('no optimizer: pass optimizer= to initialize() or add an "optimizer" section')
+            raise ConfigError(
+                'no optimizer: pass optimizer= or add an "optimizer" section to train (for inference, call '
+                "infinity.initialize(model=, config=) without one: it gives an InferenceEngine)"
+            )
         self.stage3: Stage3 | None = None
         nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
         run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
@@ -302,6 +293,25 @@ class Engine(nn.Module):
         self._window_loss = torch.zeros((), dtype=torch.float64, device=self.device)  # losses since the last report
         self._window_micro_steps = 0
 
+    def _join(self, model: nn.Module, raw_config: dict, *, user_optimizer, training_data) -> None:
+        """What every engine does first: the process group, the parsed config, the device and compute dtype, and
+        the model (below stage 3 moved to the device; at stage 3 it moves unit by unit as it is partitioned, so
+        the whole model never is), its floating buffers in the compute dtype."""
+        return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
+        self.raw_config = dict(raw_config)  # as given: checkpoints record it
+        self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
+        self.comm = self.distributed.comm
+        install_default_handler(self.comm.rank)  # steps_per_print lines appear without logging set up (logs.py)
+        self.config: Config = parse_config(
+            raw_config, world_size=self.comm.world_size, auto=_auto_values(model, user_optimizer, training_data)
+        )
+        self.device = compute_device()
+        self.compute_dtype = compute_dtype(self.config)
+        self.module = model if self.config.zero.stage == 3 else model.to(self.device)
+        for buffer in self.module.buffers():
+            dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype
+            buffer.data = buffer.data.to(device=self.device, dtype=dtype)
+
     def _partition(self, torch_optimizer: torch.optim.Optimizer, offload: Offload | None, run_id: str | None) -> None:
         """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
         zero = self.config.zero
@@ -319,6 +329,7 @@ class Engine(nn.Module):
                 sub_group_size=zero.sub_group_size,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
+            self._keep_generate_in_step()
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole,
@@ -329,6 +340,14 @@ class Engine(nn.Module):
                 device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
+
+    def _keep_generate_in_step(self) -> None:
+        """Stage 3 at world size > 1: the model's generate() defaults synced_gpus to True while the engine lives
+        ([Note: synced generation] in generation.py); removed with the hooks."""
+        if self.comm.world_size > 1:
+            synced = default_synced_generate(self.module)
+            if synced is not None:
+                self.stage3.handles.append(synced)
 
     def _scheduler(self, torch_optimizer: torch.optim.Optimizer, lr_scheduler):
         if self.config.scheduler is not None:
@@ -372,7 +391,7 @@ class Engine(nn.Module):
 
     def _tier_managers(self) -> dict:
         managers = {}
-        if self.zero_optimizer.tiled is not None:
+        if self.zero_optimizer is not None and self.zero_optimizer.tiled is not None:
             managers["optimizer"] = self.zero_optimizer.tiled.manager
             if self.zero_optimizer.tiled.gradients is not None:
                 managers["gradients"] = self.zero_optimizer.tiled.gradients.manager
@@ -622,7 +641,9 @@ def initialize(
     **unsupported,
 ):
     """DeepSpeed's initialize(): returns (engine, optimizer, training dataloader, lr scheduler). Collective:
-    every rank calls it, building the same model, in the same order as its other engines."""
+    every rank calls it, building the same model, in the same order as its other engines. Without an optimizer
+    (no optimizer= and no "optimizer" section) the engine is an InferenceEngine (ZeRO-Inference, inference.py)
+    and the optimizer and scheduler returned are None."""
     if unsupported:
         raise ConfigError(f"initialize() does not take {', '.join(sorted(unsupported))}; see its docstring")
     if model is None:
@@ -631,6 +652,13 @@ def initialize(
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
         raise ConfigError("initialize() needs config= (a dict or the path of a JSON file)")
+    config = load_json(config)
+    from infinity.inference import InferenceEngine, is_inference  # it builds on Engine
+
+    if is_inference(config, optimizer):
+        engine = InferenceEngine(model=model, config=config, lr_scheduler=lr_scheduler, training_data=training_data,
+                                 collate_fn=collate_fn)  # fmt: skip
+        return engine, None, engine.training_dataloader, None
     engine = Engine(
         model=model,
         config=config,

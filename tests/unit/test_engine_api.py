@@ -86,8 +86,8 @@ def test_user_optimizer_and_its_scheduler_keep_working():
 def test_unknown_initialize_argument_and_missing_optimizer():
     with pytest.raises(ConfigError, match="does not take mpu_thing"):
         infinity.initialize(model=mlp(), config=base(), mpu_thing=1)
-    with pytest.raises(ConfigError, match="no optimizer"):
-        infinity.initialize(model=mlp(), config={"train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ConfigError, match="no optimizer"):  # initialize() without one: an InferenceEngine
+        infinity.engine.Engine(model=mlp(), config={"train_micro_batch_size_per_gpu": 4})
 
 
 def test_wall_clock_breakdown_is_reported(caplog):

@@ -1,0 +1,66 @@
+"""generate() under ZeRO-3 at world size > 1: every rank keeps running forward passes until all have finished.
+
+[Note: synced generation]
+At stage 3 every forward takes part in collectives (the fetch rendezvous, [Note: fetch rendezvous] in
+zero/rendezvous.py), so when one rank's sequences end early (an eos, a shorter max_new_tokens) it must keep
+running dummy forwards until every rank is done, or the others wait in their next fetch for a rank that has left.
+Transformers does exactly that with ``generate(synced_gpus=True)``, but turns it on by itself only for real
+DeepSpeed ZeRO-3 (an HfDeepSpeedConfig alive) or FSDP; for this engine it would be off. So while a stage-3 engine
+at world size > 1 is alive, the model's own ``generate`` defaults ``synced_gpus`` to True: an instance attribute
+wrapping the class's method, removed with the engine's hooks. Chosen over patching transformers (whose internals
+change between versions) and over an engine-only ``generate`` (DeepSpeed's ZeRO-Inference code calls
+``engine.module.generate``, as do Trainer and pipelines). An explicit ``synced_gpus=False`` is respected: ranks
+that then stop at different lengths fail within collective_timeout with an error naming the collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+
+SYNCED = "synced_gpus"
+
+
+@dataclass(eq=False, slots=True)
+class SyncedGenerate:
+    """The installed default; ``remove()`` puts back what was there (a handle among the engine's hooks)."""
+
+    module: nn.Module | None
+    previous: object | None  # an instance attribute ``generate`` that was there before, else None
+
+    def remove(self) -> None:
+        if self.module is None:
+            return
+        if self.previous is not None:
+            self.module.__dict__["generate"] = self.previous
+        else:
+            self.module.__dict__.pop("generate", None)
+        self.module = None
+
+
+def default_synced_generate(module: nn.Module) -> SyncedGenerate | None:
+    """Makes ``module.generate(...)`` pass synced_gpus=True unless the caller gives a value ([Note: synced
+    generation]). None when the module has no generate taking synced_gpus (not a transformers model)."""
+    original = getattr(module, "generate", None)
+    if original is None or not callable(original):
+        return None
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        return None
+    if SYNCED not in names:
+        return None
+    position = names.index(SYNCED)  # in the bound method's signature: args before it are positional
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        if len(args) <= position and kwargs.get(SYNCED) is None:
+            kwargs[SYNCED] = True
+        return original(*args, **kwargs)
+
+    previous = module.__dict__.get("generate")
+    module.__dict__["generate"] = generate
+    return SyncedGenerate(module=module, previous=previous)
