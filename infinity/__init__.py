@@ -37,6 +37,7 @@ _LAZY = {
     "Config": "infinity.config",
     "parse_config": "infinity.config",
     "Engine": "infinity.engine",
+    "InferenceEngine": "infinity.inference",
     "initialize": "infinity.engine",
 }
 
@@ -72,6 +73,7 @@ __all__ = [
     "Config",
     "Engine",
     "ConfigError",
+    "InferenceEngine",
     "InfinityError",
     "InvalidTensorError",
     "ShortTransferError",
