@@ -11,8 +11,11 @@ which turns prepare(model, optimizer) into the engine. The Trainer then divides 
 itself (the engine does not divide again), marks each micro-batch's ``sync_gradients`` (the engine's window
 follows it) and runs non-final micro-batches under ``no_sync`` (nothing to switch off: the engine reduces as its
 window requires). The Trainer's own scheduler is built on the engine's param groups and stepped once per optimizer
-step; a scheduler from the JSON is stepped by the engine. evaluate() and predict() call the bare model: at stage 3
-its modules carry the engine's hooks, which gather each unit as it runs.
+step; a scheduler from the JSON is stepped by the engine. evaluate() and predict() call the bare model: after
+train() at stage 3 its modules carry the engine's hooks, which gather each unit as it runs; before train() no
+engine is built (the model runs as it is, or, partitioned at load time, each module gathers its own parameters:
+accelerate.EvaluationGathering). A second train() goes on with the same engine, as the Trainer goes on with the
+same model and optimizer.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ class InfinityTrainer(Trainer):
 
     @property
     def engine(self):
-        """The infinity engine, once train() (or evaluate() at stage 3) has built it; else None."""
+        """The infinity engine, once train() has built it; else None."""
         return self.accelerator.engine
 
     def create_optimizer(self, model: nn.Module | None = None):

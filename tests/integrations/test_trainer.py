@@ -7,6 +7,7 @@ checkpoint reproduces steps 5-8."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -43,36 +44,72 @@ def training_arguments(output_dir, **overrides) -> dict:
     return {**args, **overrides}
 
 
-def train(config: dict | str | None, output_dir, *, train_samples: int = 16, resume=None, **overrides):
-    """One Trainer run; config None is the plain Trainer. Returns (per-step logs, eval metrics, trainer)."""
+@dataclasses.dataclass
+class Run:
+    steps: list[dict]  # the per-step logs of the (first) train()
+    metrics: dict  # evaluate() after it
+    trainer: Trainer | None
+    eval_before: dict | None = None  # evaluate() before train()
+    again: list[dict] | None = None  # the logs of a second train() on the same trainer
+
+
+def logged_steps(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def train(config: dict | str | None, output_dir, *, train_samples: int = 16, resume=None, pretrained=None,
+          evaluate_first: bool = False, twice: bool = False, **overrides) -> Run:  # fmt: skip
+    """One Trainer run; config None is the plain Trainer. ``pretrained``: a saved model's folder, loaded after the
+    arguments (at stage 3, partitioned as it loads)."""
     kwargs = training_arguments(output_dir, **overrides)
     data = {"train_dataset": CountingData(train_samples), "eval_dataset": CountingData(8, seed=2)}
     if config is None:
         trainer = Trainer(model=tiny_gpt2(), args=TrainingArguments(**kwargs), **data)
     else:  # the two lines a user changes
-        trainer = InfinityTrainer(model=tiny_gpt2(), args=InfinityTrainingArguments(infinity=config, **kwargs), **data)
+        args = InfinityTrainingArguments(infinity=config, **kwargs)
+        model = tiny_gpt2() if pretrained is None else GPT2LMHeadModel.from_pretrained(pretrained)
+        trainer = InfinityTrainer(model=model, args=args, **data)
+    eval_before = trainer.evaluate() if evaluate_first else None
     trainer.train(resume_from_checkpoint=resume)
-    metrics = trainer.evaluate()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    return steps, metrics, trainer
+    run = Run(logged_steps(trainer), trainer.evaluate(), trainer, eval_before=eval_before)
+    if twice:  # the Trainer allows it: the model and optimizer state go on, with a new schedule
+        trainer.train()
+        run.again = logged_steps(trainer)
+    return run
 
 
-def assert_same_run(got, want, what: str) -> None:
-    (steps, metrics, _), (plain_steps, plain_metrics, _) = got, want
+def assert_same_steps(steps: list[dict], plain_steps: list[dict], what: str) -> None:
     assert [s["step"] for s in steps] == [s["step"] for s in plain_steps], what
     assert_close([s["loss"] for s in steps], [s["loss"] for s in plain_steps], f"{what} loss")
     assert_close([s["grad_norm"] for s in steps], [s["grad_norm"] for s in plain_steps], f"{what} grad_norm")
     assert [s["learning_rate"] for s in steps] == [s["learning_rate"] for s in plain_steps], what
-    assert math.isclose(metrics["eval_loss"], plain_metrics["eval_loss"], rel_tol=1e-5), (what, metrics)
+
+
+def assert_same_run(got: Run, want: Run, what: str) -> None:
+    assert_same_steps(got.steps, want.steps, what)
+    assert math.isclose(got.metrics["eval_loss"], want.metrics["eval_loss"], rel_tol=1e-5), (what, got.metrics)
+    if got.eval_before is not None:
+        assert math.isclose(got.eval_before["eval_loss"], want.eval_before["eval_loss"], rel_tol=1e-5), what
+    if got.again is not None:
+        assert_same_steps(got.again, want.again, f"{what}, second train()")
 
 
 def test_trainer_matches_plain_trainer(tmp_path):
+    """Also: evaluate() before train() (no engine yet: the bare model, or at stage 3 a model partitioned as it
+    loaded, each module gathering its own parameters), then train(), then a second train()."""
+    # The Trainer's evaluate() draws from the RNG, so a run that evaluates first has its own plain reference.
     plain = train(None, tmp_path / "plain")
-    for name, config in (("stage 2", stage_config(2)),
-                         ("stage 3, optimizer on nvme", stage_config(3, nvme_path=tmp_path / "swap"))):  # fmt: skip
-        run = train(config, tmp_path / name.replace(" ", "_"))
-        assert_same_run(run, plain, name)
-        run[2].engine.destroy()
+    plain_evaluated_first = train(None, tmp_path / "plain_eval_first", evaluate_first=True, twice=True)
+    tiny_gpt2().save_pretrained(tmp_path / "tiny")
+    for name, config, extra in (
+        ("stage 2", stage_config(2), {}),
+        ("stage 3, optimizer on nvme", stage_config(3, nvme_path=tmp_path / "swap"), {}),
+        ("stage 3", stage_config(3), {"evaluate_first": True, "twice": True}),
+        ("stage 3, loaded partitioned", stage_config(3), {"evaluate_first": True, "pretrained": tmp_path / "tiny"}),
+    ):
+        run = train(config, tmp_path / name.replace(" ", "_").replace(",", ""), **extra)
+        assert_same_run(run, plain_evaluated_first if extra else plain, name)
+        run.trainer.engine.destroy()
 
 
 def test_deepspeed_auto_config_saves_and_resumes(tmp_path):
@@ -132,10 +169,10 @@ def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
     os.environ.update({"LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
     out = {}
     for name, config in (("plain", None), ("stage 2", stage_config(2)), ("stage 3", stage_config(3))):
-        steps, metrics, trainer = train(config, os.path.join(tmp, name.replace(" ", "_")))
-        out[name] = (steps, metrics, None)
+        run = train(config, os.path.join(tmp, name.replace(" ", "_")))
+        out[name] = Run(run.steps, run.metrics, None)
         if config is not None:
-            trainer.engine.destroy()
+            run.trainer.engine.destroy()
     for name, config in (("accelerate plain", None), ("accelerate stage 3", stage_config(3))):
         losses, norms, _, model = accelerate_loop(config)
         out[name] = (losses, norms)
