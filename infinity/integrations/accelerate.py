@@ -23,7 +23,8 @@ DeepSpeed branches it reproduces, with DeepSpeed's semantics as Accelerate appli
 - backward: engine.backward then engine.step on every micro-batch. The loss is divided by the accumulation steps
   inside the engine (not here), and Accelerate's ``sync_gradients`` says where a window ends.
 - clip_grad_norm_: the engine clips in its step with the config's gradient_clipping; this returns the norm it
-  measured. A different max_norm is an error (the step has run: it cannot clip again).
+  measured. A different max_norm is an error (the step has run: it cannot clip again), stricter than Accelerate's
+  DeepSpeed branch, which ignores max_norm; InfinityTrainer reads the norm without asking for a max_norm.
 - no_sync: nothing to do (the engine reduces at the boundary it knows).
 - unwrap_model, get_state_dict (gathered at stage 3), save_state / load_state through the engine's checkpoints.
 """
@@ -188,6 +189,25 @@ def _optimizer_of(engine) -> torch.optim.Optimizer:
     return engine.zero_optimizer.optimizer
 
 
+def apply_mixed_precision(config: Mapping[str, Any], mixed_precision: str | None) -> dict:
+    """Accelerate's rule for a DeepSpeed config (its DeepSpeed plugin's set_mixed_precision), so that fp16/bf16
+    asked for outside the JSON is not dropped: a config without a section for the asked type gets
+    {"enabled": true}; a config that enables the other type is an error."""
+    config = dict(config)
+    if mixed_precision not in ("fp16", "bf16"):
+        return config
+    other = "bf16" if mixed_precision == "fp16" else "fp16"
+    section = config.get(other)
+    if isinstance(section, Mapping) and str(section.get("enabled", False)).lower() == "true":
+        raise ConfigError(
+            f'mixed precision {mixed_precision} was asked for (mixed_precision / TrainingArguments.{mixed_precision}) '
+            f'but the config enables "{other}": drop one of the two, or set {other}.enabled to "auto"'
+        )
+    if mixed_precision not in config:
+        config[mixed_precision] = {"enabled": True}
+    return config
+
+
 def _wraps(wrapper: Any, obj: Any) -> bool:
     """obj is the wrapper, or the optimizer or scheduler inside it."""
     return any(obj is x for x in (wrapper, getattr(wrapper, "optimizer", None), getattr(wrapper, "scheduler", None)))
@@ -204,7 +224,8 @@ def _is_scheduler(obj: Any) -> bool:
 class InfinityAccelerator(Accelerator):
     """An Accelerator whose model, optimizer and scheduler run on the infinity engine. ``infinity`` is the
     DeepSpeed-style config (a dict or a JSON path; "auto" values allowed); without it, the settings `accelerate
-    launch` exported for DeepSpeed (ACCELERATE_DEEPSPEED_*) are used. Other arguments are Accelerator's."""
+    launch` exported for DeepSpeed (ACCELERATE_DEEPSPEED_*) are used. Other arguments are Accelerator's;
+    mixed_precision fp16/bf16 adds the config's section when it has none (apply_mixed_precision)."""
 
     def __init__(self, *args, infinity: str | os.PathLike | Mapping[str, Any] | None = None, **kwargs) -> None:
         if kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None:
@@ -220,7 +241,7 @@ class InfinityAccelerator(Accelerator):
                 "InfinityAccelerator needs infinity=<a DeepSpeed-style config dict or JSON path> (or the "
                 "ACCELERATE_DEEPSPEED_* variables that `accelerate launch` exports)"
             )
-        self.infinity_config: dict[str, Any] = load_json(infinity)
+        self.infinity_config: dict[str, Any] = apply_mixed_precision(load_json(infinity), self.mixed_precision)
         # The engine owns precision (its config's fp16/bf16) and loss scaling: no second scaler, no autocast.
         self.scaler = None
         self.native_amp = False

@@ -35,7 +35,7 @@ from transformers.trainer import SAFE_WEIGHTS_NAME, SCHEDULER_NAME, TRAINING_ARG
 
 from infinity.config import load_json
 from infinity.errors import CheckpointError, ConfigError
-from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler
+from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler, apply_mixed_precision
 from infinity.integrations.hf_config import fill_from_model, fill_from_training_args
 from infinity.integrations.hf_loading import HfInfinityConfig
 
@@ -70,7 +70,9 @@ class InfinityTrainingArguments(TrainingArguments):
         if isinstance(self.infinity, os.PathLike):
             self.infinity = os.fspath(self.infinity)
         super().__post_init__()
-        self.infinity_config = fill_from_training_args(load_json(self.infinity), self, world_size=self.world_size)
+        precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        config = apply_mixed_precision(load_json(self.infinity), precision)  # as Accelerate's DeepSpeed plugin
+        self.infinity_config = fill_from_training_args(config, self, world_size=self.world_size)
         # The engine owns precision (the config's fp16/bf16, filled from fp16/bf16 above) and loss scaling:
         # Accelerate must set up neither autocast nor a GradScaler.
         self.mixed_precision = "no"
@@ -92,6 +94,9 @@ class InfinityTrainer(Trainer):
     - create_optimizer: with an "optimizer" section the engine builds it (a DummyOptim stands in, as with
       DeepSpeed); without one, the Trainer's optimizer is handed to the engine.
     - create_scheduler: the JSON's scheduler, stepped by the engine, behind a wrapper; else Trainer's own.
+    - _clip_grad_norm: as the Trainer does under DeepSpeed, no clipping of its own: the engine clipped in its step
+      to the config's gradient_clipping (none when the config has no such key, whatever max_grad_norm says: a
+      warning says so once); the norm it measured is logged.
     - save_model: the weights gathered in 16 bits into model.safetensors with config.json (from_pretrained loads
       the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, the engine's checkpoint instead.
     - _save_optimizer_and_scheduler / _load_optimizer_and_scheduler: the engine's sharded checkpoint (never rank
@@ -148,6 +153,17 @@ class InfinityTrainer(Trainer):
             self._created_lr_scheduler = True
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def _clip_grad_norm(self, model):
+        clipping = float(self.engine.config.gradient_clipping or 0.0)
+        if clipping != float(self.args.max_grad_norm) and not getattr(self, "_clipping_warned", False):
+            self._clipping_warned = True
+            logger.warning(
+                "max_grad_norm is %s but the config's gradient_clipping is %s: the engine clips with the config's "
+                "value, as DeepSpeed does (set gradient_clipping to \"auto\" to take max_grad_norm)",
+                self.args.max_grad_norm, clipping or "absent",
+            )  # fmt: skip
+        return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
 
     # ---- saving ----
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

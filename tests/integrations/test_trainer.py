@@ -22,6 +22,7 @@ pytest.importorskip("accelerate")
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
 from infinity.errors import ConfigError  # noqa: E402
+from infinity.integrations.accelerate import InfinityAccelerator  # noqa: E402
 from infinity.integrations.hf_loading import is_zero3_active  # noqa: E402
 from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments  # noqa: E402
 from infinity.zero import GatheredParameters  # noqa: E402
@@ -30,6 +31,7 @@ from tests.integrations.test_accelerator import (  # noqa: E402
     CountingData,
     accelerate_loop,
     assert_close,
+    fresh_accelerate_state,
     stage_config,
     tiny_gpt2,
 )
@@ -161,6 +163,29 @@ def test_training_arguments_refuse_contradictions(tmp_path):
         InfinityTrainingArguments(infinity=stage_config(2), deepspeed=stage_config(3), **training_arguments(tmp_path))
     with pytest.raises(ConfigError, match="needs InfinityTrainingArguments"):
         InfinityTrainer(model=tiny_gpt2(), args=TrainingArguments(**training_arguments(tmp_path)))
+
+
+def test_clipping_and_precision_as_with_deepspeed(tmp_path, caplog):
+    """A JSON without gradient_clipping under the default max_grad_norm 1.0 runs as with DeepSpeed: the engine does
+    not clip (one warning says so), as the plain Trainer with max_grad_norm 0. fp16/bf16 from the arguments or the
+    accelerator adds the missing section, as Accelerate's DeepSpeed plugin does; enabling the other type is refused."""
+    config = stage_config(2)
+    del config["gradient_clipping"]
+    with caplog.at_level("WARNING", logger="infinity"):
+        run = train(config, tmp_path / "unclipped", max_steps=2)
+    assert sum("the engine clips with the config's value" in r.getMessage() for r in caplog.records) == 1
+    run.trainer.engine.destroy()
+    plain = train(None, tmp_path / "plain", max_steps=2, max_grad_norm=0.0)
+    assert_same_run(run, plain, "no gradient_clipping")
+
+    args = InfinityTrainingArguments(infinity=stage_config(2), **training_arguments(tmp_path, bf16=True))
+    assert args.infinity_config["bf16"] == {"enabled": True} and "fp16" not in args.infinity_config
+    with pytest.raises(ConfigError, match='mixed precision bf16 was asked for .* the config enables "fp16"'):
+        InfinityTrainingArguments(infinity={**stage_config(2), "fp16": {"enabled": True}},
+                                  **training_arguments(tmp_path, bf16=True))  # fmt: skip
+    fresh_accelerate_state()
+    accelerator = InfinityAccelerator(infinity=stage_config(2), mixed_precision="bf16", cpu=True)
+    assert accelerator.infinity_config["bf16"] == {"enabled": True}
 
 
 def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
