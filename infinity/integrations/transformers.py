@@ -84,6 +84,29 @@ class InfinityTrainingArguments(TrainingArguments):
         return False
 
 
+def _is_partitioned(param: nn.Parameter) -> bool:
+    from infinity.zero.init import init_shard
+
+    return init_shard(param) is not None
+
+
+def gathered_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """Collective: the state dict of a model partitioned at load time (no engine yet), its modules' parameters
+    gathered one module at a time; copies on the CPU where ``keep`` (the rank that writes), else {}."""
+    from infinity.zero import GatheredParameters
+
+    values: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        params = [p for p in module.parameters(recurse=False) if id(p) not in values]
+        with GatheredParameters(params):
+            for param in params:
+                values[id(param)] = param.detach().to("cpu", copy=True) if keep else param.new_empty(0)
+    if not keep:
+        return {}
+    return {key: values[id(value)] if id(value) in values else value.detach().to("cpu", copy=True)
+            for key, value in model.state_dict(keep_vars=True).items()}  # fmt: skip
+
+
 class InfinityTrainer(Trainer):
     """A Trainer whose model trains on the infinity engine (``args`` must be InfinityTrainingArguments).
 
@@ -98,7 +121,9 @@ class InfinityTrainer(Trainer):
       to the config's gradient_clipping (none when the config has no such key, whatever max_grad_norm says: a
       warning says so once); the norm it measured is logged.
     - save_model: the weights gathered in 16 bits into model.safetensors with config.json (from_pretrained loads
-      the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, the engine's checkpoint instead.
+      the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, config.json and the engine's
+      checkpoint instead (as Transformers' DeepSpeed branch). Before train(), a model partitioned at load time is
+      gathered module by module and saved whole by the writing rank.
     - _save_optimizer_and_scheduler / _load_optimizer_and_scheduler: the engine's sharded checkpoint (never rank
       0's optimizer.pt); the Trainer's own scheduler still goes to scheduler.pt.
     - _load_from_checkpoint: nothing before prepare; the engine's checkpoint brings the weights with the rest.
@@ -168,9 +193,15 @@ class InfinityTrainer(Trainer):
     # ---- saving ----
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         engine = self.engine
+        output_dir = self.args.output_dir if output_dir is None else os.fspath(output_dir)
         if engine is None:
-            return super().save_model(output_dir, _internal_call)
-        output_dir = self.args.output_dir if output_dir is None else output_dir
+            if any(_is_partitioned(p) for p in self.model.parameters()):
+                state = gathered_state_dict(self.model, keep=self.args.should_save)  # collective
+                if self.args.should_save:
+                    self._save(output_dir, state_dict=state)
+            else:
+                super().save_model(output_dir, _internal_call)
+            return
         if engine.save_16bit_model(output_dir, SAFE_WEIGHTS_NAME):
             if self.args.should_save:
                 if self.processing_class is not None:
@@ -178,13 +209,29 @@ class InfinityTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         else:
             logger.warning(
-                "save_model: stage3_gather_16bit_weights_on_model_save is false, so %s gets the engine's checkpoint "
-                "instead of model.safetensors (`infinity ckpt to-fp32` makes safetensors from it)", output_dir
+                "save_model: stage3_gather_16bit_weights_on_model_save is false, so %s gets the model's config and "
+                "the engine's checkpoint instead of model.safetensors (`infinity ckpt to-fp32` makes safetensors "
+                "from it)", output_dir
             )  # fmt: skip
+            if self.args.should_save:  # the folder exists now: the Trainer looks for the best checkpoint's next
+                self._save_model_files(output_dir)
             if not (_internal_call and not self.args.save_only_model):  # _save_checkpoint saves it next anyway
                 engine.save_checkpoint(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What from_pretrained needs beside the weights (the model's config, its generation config), the
+        processing class and the arguments, as the Trainer's DeepSpeed branch leaves them."""
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        for name in ("config", "generation_config"):
+            part = getattr(model, name, None)
+            if part is not None and hasattr(part, "save_pretrained"):
+                part.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(output_dir)

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 pytest.importorskip("transformers")
@@ -186,6 +187,31 @@ def test_clipping_and_precision_as_with_deepspeed(tmp_path, caplog):
     fresh_accelerate_state()
     accelerator = InfinityAccelerator(infinity=stage_config(2), mixed_precision="bf16", cpu=True)
     assert accelerator.infinity_config["bf16"] == {"enabled": True}
+
+
+def test_partitioned_model_saves_before_training_and_keeps_the_best(tmp_path):
+    """Stage 3 without stage3_gather_16bit_weights_on_model_save: save_model before train() writes the whole model
+    (gathered module by module from its load-time partitions); the checkpoints hold config.json beside the
+    engine's checkpoint, and load_best_model_at_end finds the best one even when it is the newest."""
+    tiny_gpt2().save_pretrained(tmp_path / "tiny")
+    want = tiny_gpt2().state_dict()
+    args = InfinityTrainingArguments(infinity=stage_config(3), **training_arguments(
+        tmp_path / "run", max_steps=2, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss"))  # fmt: skip
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "tiny")
+    trainer = InfinityTrainer(model=model, args=args, train_dataset=CountingData(8),
+                              eval_dataset=CountingData(8, seed=2))  # fmt: skip
+    trainer.save_model(tmp_path / "before")
+    saved = safetensors.torch.load_file(tmp_path / "before" / "model.safetensors")
+    assert len(saved) > 0 and all(torch.equal(value, want[key]) for key, value in saved.items())
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    best_step = min(evals, key=lambda h: h["eval_loss"])["step"]
+    assert best_step == 2  # the newest: its folder did not exist yet when the Trainer looked for it
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "run" / f"checkpoint-{best_step}")
+    assert (tmp_path / "run" / "checkpoint-2" / "config.json").is_file()
+    assert not (tmp_path / "run" / "checkpoint-2" / "model.safetensors").exists()
+    trainer.engine.destroy()
 
 
 def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
