@@ -80,10 +80,22 @@ class InfinityOptimizer(AcceleratedOptimizer):
 
 
 class InfinityScheduler(AcceleratedScheduler):
-    """The JSON's scheduler, which the engine steps after each optimizer step it takes."""
+    """The JSON's scheduler, which the engine steps after each optimizer step it takes (inside backward()).
+
+    Between that step and this wrapper's step() (a no-op), get_last_lr() gives the learning rates the step used,
+    as a plain loop sees them there (the Trainer logs them at that point); after it, the scheduler's own."""
 
     def step(self, *args, **kwargs) -> None:
-        pass
+        accelerator = self._accelerator()
+        if accelerator is not None:
+            accelerator.step_lrs = None
+
+    def get_last_lr(self) -> list[float]:
+        used = getattr(self._accelerator(), "step_lrs", None)
+        return list(used) if used is not None else self.scheduler.get_last_lr()
+
+    def _accelerator(self) -> InfinityAccelerator | None:
+        return next((o._accelerator for o in self.optimizers if isinstance(o, InfinityOptimizer)), None)
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -247,6 +259,7 @@ class InfinityAccelerator(Accelerator):
         self.native_amp = False
         self.engine = None
         self.last_step_skipped = False
+        self.step_lrs: list[float] | None = None  # the last step's learning rates, until the scheduler's step()
         self._evaluation_gathering: EvaluationGathering | None = None
         self._engine_wrappers: list = []  # what prepare() built beside the engine; kept through free_memory()
         # The Trainer divides the loss by the accumulation steps itself and sets sync_gradients per micro-batch
@@ -474,6 +487,8 @@ class InfinityAccelerator(Accelerator):
             )
         engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         skipped = engine.skipped_steps
+        if boundary:  # the learning rates this step uses, before the engine steps its scheduler
+            self.step_lrs = [group["lr"] for group in _optimizer_of(engine).param_groups]
         engine.step()
         if boundary:
             self.last_step_skipped = engine.skipped_steps != skipped

@@ -168,16 +168,23 @@ def test_training_arguments_refuse_contradictions(tmp_path):
 
 def test_clipping_and_precision_as_with_deepspeed(tmp_path, caplog):
     """A JSON without gradient_clipping under the default max_grad_norm 1.0 runs as with DeepSpeed: the engine does
-    not clip (one warning says so), as the plain Trainer with max_grad_norm 0. fp16/bf16 from the arguments or the
+    not clip (one warning says so), as the plain Trainer with max_grad_norm 0 (and the JSON's warmup logs the
+    learning rates the plain Trainer's warmup logs). fp16/bf16 from the arguments or the
     accelerator adds the missing section, as Accelerate's DeepSpeed plugin does; enabling the other type is refused."""
     config = stage_config(2)
     del config["gradient_clipping"]
+    # The JSON's scheduler, which the engine steps inside backward(): the logged learning rate is still the one
+    # each step used, as the plain Trainer logs its own linear warmup.
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "warmup_type": "linear"}}
+    schedule = {"max_steps": 3, "warmup_steps": 4, "lr_scheduler_type": "constant_with_warmup"}
     with caplog.at_level("WARNING", logger="infinity"):
-        run = train(config, tmp_path / "unclipped", max_steps=2)
+        run = train(config, tmp_path / "unclipped", **schedule)
     assert sum("the engine clips with the config's value" in r.getMessage() for r in caplog.records) == 1
     run.trainer.engine.destroy()
-    plain = train(None, tmp_path / "plain", max_steps=2, max_grad_norm=0.0)
-    assert_same_run(run, plain, "no gradient_clipping")
+    plain = train(None, tmp_path / "plain", max_grad_norm=0.0, **schedule)
+    assert [s["learning_rate"] for s in plain.steps] == [0.0, 0.0025, 0.005]
+    assert_same_run(run, plain, "no gradient_clipping, the JSON's scheduler")
 
     args = InfinityTrainingArguments(infinity=stage_config(2), **training_arguments(tmp_path, bf16=True))
     assert args.infinity_config["bf16"] == {"enabled": True} and "fp16" not in args.infinity_config
