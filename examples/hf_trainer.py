@@ -4,8 +4,12 @@ script (each marked "plain Trainer:" below, with what it replaces):
     args = InfinityTrainingArguments(infinity=config, ...)   # args = TrainingArguments(deepspeed=config, ...)
     trainer = InfinityTrainer(model=model, args=args, ...)    # trainer = Trainer(model=model, args=args, ...)
 
-The config is a DeepSpeed JSON with "auto" values (configs/zero3.json by default, or --config); the batch sizes,
-accumulation, clipping, optimizer and scheduler settings come from the TrainingArguments, as with DeepSpeed. The
+The config is a DeepSpeed JSON (configs/zero3.json by default, or --config); the batch sizes, accumulation,
+clipping, optimizer and scheduler settings come from the TrainingArguments, as with DeepSpeed. A JSON written for
+the Trainer (its values "auto" or equal to the arguments') is taken as it is; configs/zero3.json is edited first
+(load_config), because it was written for `infinity train`: its explicit batch size, learning rate and bf16
+would contradict these arguments (an error, as with Transformers' DeepSpeed), bf16 on a CPU without bf16 units
+is tens of times slower, and its 100 warmup steps outlast a short run. The
 model is a small GPT-2 built from a GPT2Config (nothing to download), the data synthetic and learnable: each
 sequence counts up from a random token. Prints ``loss A -> B`` (the first logged loss and the last).
 
@@ -44,7 +48,8 @@ class CountingData(torch.utils.data.Dataset):
 
 
 def load_config(path: str) -> dict:
-    """The JSON, with "auto" where the TrainingArguments decide; fp32 on a CPU (no bf16 units there, as a rule)."""
+    """The JSON, with "auto" where the TrainingArguments decide (explicit values there must equal the arguments');
+    fp32 on a CPU (no bf16 units there, as a rule); the Trainer's own schedule (see the module's docstring)."""
     with open(path) as f:
         config = json.load(f)
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",

@@ -23,7 +23,8 @@ DeepSpeed branches it reproduces, with DeepSpeed's semantics as Accelerate appli
 - backward: engine.backward then engine.step on every micro-batch. The loss is divided by the accumulation steps
   inside the engine (not here), and Accelerate's ``sync_gradients`` says where a window ends.
 - clip_grad_norm_: the engine clips in its step with the config's gradient_clipping; this returns the norm it
-  measured. A different max_norm is an error (the step has run: it cannot clip again).
+  measured. A different max_norm is an error (the step has run: it cannot clip again), stricter than Accelerate's
+  DeepSpeed branch, which ignores max_norm; InfinityTrainer reads the norm without asking for a max_norm.
 - no_sync: nothing to do (the engine reduces at the boundary it knows).
 - unwrap_model, get_state_dict (gathered at stage 3), save_state / load_state through the engine's checkpoints.
 """
@@ -31,9 +32,11 @@ DeepSpeed branches it reproduces, with DeepSpeed's semantics as Accelerate appli
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,10 +80,22 @@ class InfinityOptimizer(AcceleratedOptimizer):
 
 
 class InfinityScheduler(AcceleratedScheduler):
-    """The JSON's scheduler, which the engine steps after each optimizer step it takes."""
+    """The JSON's scheduler, which the engine steps after each optimizer step it takes (inside backward()).
+
+    Between that step and this wrapper's step() (a no-op), get_last_lr() gives the learning rates the step used,
+    as a plain loop sees them there (the Trainer logs them at that point); after it, the scheduler's own."""
 
     def step(self, *args, **kwargs) -> None:
-        pass
+        accelerator = self._accelerator()
+        if accelerator is not None:
+            accelerator.step_lrs = None
+
+    def get_last_lr(self) -> list[float]:
+        used = getattr(self._accelerator(), "step_lrs", None)
+        return list(used) if used is not None else self.scheduler.get_last_lr()
+
+    def _accelerator(self) -> InfinityAccelerator | None:
+        return next((o._accelerator for o in self.optimizers if isinstance(o, InfinityOptimizer)), None)
 
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
@@ -109,8 +124,109 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     return state
 
 
+class EvaluationGathering:
+    """Evaluation before any engine exists, for a model partitioned at load time by zero.Init (from_pretrained
+    under a stage-3 HfInfinityConfig): each module gathers its own (direct) parameters in a forward pre-hook
+    and partitions them again in its forward hook, so at most one module's weights are whole at a time.
+
+    Limits: GatheredParameters is collective, so every rank must run the same modules (as evaluation does); a
+    parameter read outside the forward of a module that owns it is not gathered (a tied weight is fine when the
+    module using it owns it too, as GPT-2's lm_head owns the embedding's weight). No engine is built, so the
+    config's training-only values ("auto" step counts) are filled later, by train()."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from infinity.zero import GatheredParameters
+
+        self._gathered: dict[int, list[GatheredParameters]] = {}
+        self._handles = []
+        for module in model.modules():
+            params = [p for p in module.parameters(recurse=False) if _is_partitioned(p)]
+            if params:
+                self._handles.append(module.register_forward_pre_hook(functools.partial(self._gather, params)))
+                self._handles.append(module.register_forward_hook(self._release, always_call=True))
+
+    def _gather(self, params: list[nn.Parameter], module: nn.Module, args) -> None:
+        from infinity.zero import GatheredParameters
+
+        context = GatheredParameters(params)
+        context.__enter__()
+        self._gathered.setdefault(id(module), []).append(context)
+
+    def _release(self, module: nn.Module, args, output) -> None:
+        stack = self._gathered.get(id(module))
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _is_partitioned(param: nn.Parameter) -> bool:
+    from infinity.zero.init import init_shard
+
+    return init_shard(param) is not None
+
+
+# Which engine each prepared model went to (both weakly): a model belongs to one engine, which holds its weights.
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _engine_alive(engine) -> bool:
+    return not getattr(engine.distributed, "_closed", False)
+
+
+def _check_not_owned(model: nn.Module) -> None:
+    """A model another engine holds cannot be prepared again: say so here, not deep inside initialize()."""
+    owner = _OWNERS.get(model)
+    engine = None if owner is None else owner()
+    if engine is None:
+        return
+    if _engine_alive(engine):
+        raise ConfigError(
+            f"this {type(model).__name__} already belongs to a live infinity engine (prepared by another "
+            "InfinityAccelerator or InfinityTrainer): call engine.destroy() on that engine first (trainer.engine or "
+            "the model prepare() returned), or keep training through it"
+        )
+    if engine.stage3 is not None:
+        raise ConfigError(
+            f"this {type(model).__name__} was trained by a stage-3 engine, now destroyed, which kept its weights in "
+            "its partitions: save the weights before destroy() (trainer.save_model / accelerator.get_state_dict) and "
+            "build the model again from them"
+        )
+
+
 def _optimizer_of(engine) -> torch.optim.Optimizer:
     return engine.zero_optimizer.optimizer
+
+
+def apply_mixed_precision(config: Mapping[str, Any], mixed_precision: str | None) -> dict:
+    """Accelerate's rule for a DeepSpeed config (its DeepSpeed plugin's set_mixed_precision), so that fp16/bf16
+    asked for outside the JSON is not dropped: a config without a section for the asked type gets
+    {"enabled": true}; a config that enables the other type is an error."""
+    config = dict(config)
+    if mixed_precision not in ("fp16", "bf16"):
+        return config
+    other = "bf16" if mixed_precision == "fp16" else "fp16"
+    section = config.get(other)
+    if isinstance(section, Mapping) and str(section.get("enabled", False)).lower() == "true":
+        raise ConfigError(
+            f'mixed precision {mixed_precision} was asked for (mixed_precision / TrainingArguments.{mixed_precision}) '
+            f'but the config enables "{other}": drop one of the two, or set {other}.enabled to "auto"'
+        )
+    if mixed_precision not in config:
+        config[mixed_precision] = {"enabled": True}
+    return config
+
+
+def _wraps(wrapper: Any, obj: Any) -> bool:
+    """obj is the wrapper, or the optimizer or scheduler inside it."""
+    return any(obj is x for x in (wrapper, getattr(wrapper, "optimizer", None), getattr(wrapper, "scheduler", None)))
+
+
+def _is_loader(obj: Any) -> bool:
+    return isinstance(obj, torch.utils.data.DataLoader)
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -120,7 +236,8 @@ def _is_scheduler(obj: Any) -> bool:
 class InfinityAccelerator(Accelerator):
     """An Accelerator whose model, optimizer and scheduler run on the infinity engine. ``infinity`` is the
     DeepSpeed-style config (a dict or a JSON path; "auto" values allowed); without it, the settings `accelerate
-    launch` exported for DeepSpeed (ACCELERATE_DEEPSPEED_*) are used. Other arguments are Accelerator's."""
+    launch` exported for DeepSpeed (ACCELERATE_DEEPSPEED_*) are used. Other arguments are Accelerator's;
+    mixed_precision fp16/bf16 adds the config's section when it has none (apply_mixed_precision)."""
 
     def __init__(self, *args, infinity: str | os.PathLike | Mapping[str, Any] | None = None, **kwargs) -> None:
         if kwargs.get("deepspeed_plugin") is not None or kwargs.get("deepspeed_plugins") is not None:
@@ -136,12 +253,15 @@ class InfinityAccelerator(Accelerator):
                 "InfinityAccelerator needs infinity=<a DeepSpeed-style config dict or JSON path> (or the "
                 "ACCELERATE_DEEPSPEED_* variables that `accelerate launch` exports)"
             )
-        self.infinity_config: dict[str, Any] = load_json(infinity)
+        self.infinity_config: dict[str, Any] = apply_mixed_precision(load_json(infinity), self.mixed_precision)
         # The engine owns precision (its config's fp16/bf16) and loss scaling: no second scaler, no autocast.
         self.scaler = None
         self.native_amp = False
         self.engine = None
         self.last_step_skipped = False
+        self.step_lrs: list[float] | None = None  # the last step's learning rates, until the scheduler's step()
+        self._evaluation_gathering: EvaluationGathering | None = None
+        self._engine_wrappers: list = []  # what prepare() built beside the engine; kept through free_memory()
         # The Trainer divides the loss by the accumulation steps itself and sets sync_gradients per micro-batch
         # (it sets this False); a user loop leaves the division to the engine, as DeepSpeed does.
         self.scale_wrt_gas = True
@@ -150,6 +270,10 @@ class InfinityAccelerator(Accelerator):
 
     # ---- prepare ----
     def prepare(self, *args, device_placement=None):
+        own = [obj for obj in args if not _is_loader(obj)]
+        if self.engine is not None and own and all(self._is_own(obj) for obj in own):
+            # A second trainer.train() hands back what the first one prepared, as a plain Accelerator re-prepares.
+            return self._prepare_again(args, device_placement)
         models = [obj for obj in args if isinstance(obj, nn.Module)]
         if not models:
             if any(isinstance(obj, torch.optim.Optimizer | DummyOptim) for obj in args):
@@ -165,11 +289,12 @@ class InfinityAccelerator(Accelerator):
                 "InfinityAccelerator.prepare was already given a model; its engine exists. Use a new accelerator "
                 "for another model"
             )
-        result = [self.prepare_data_loader(obj) if isinstance(obj, torch.utils.data.DataLoader) else obj
-                  for obj in args]  # fmt: skip
+        _check_not_owned(models[0])
+        self._end_evaluation_gathering()
+        result = [self.prepare_data_loader(obj) if _is_loader(obj) else obj for obj in args]
         optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer | DummyOptim)), None)
         scheduler = next((obj for obj in args if _is_scheduler(obj)), None)
-        loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
+        loaders = [obj for obj in args if _is_loader(obj)]
         engine, wrapped_optimizer, wrapped_scheduler = self._build_engine(models[0], optimizer, scheduler, loaders)
         for i, obj in enumerate(result):
             if obj is models[0]:
@@ -180,14 +305,56 @@ class InfinityAccelerator(Accelerator):
                 result[i] = wrapped_scheduler
         return tuple(result) if len(result) > 1 else result[0]
 
+    def _is_own(self, obj: Any) -> bool:
+        """The engine, its model, or an optimizer or scheduler this accelerator already prepared for it."""
+        if obj is self.engine or obj is self.engine.module:
+            return True
+        return any(_wraps(w, obj) for w in self._engine_wrappers)
+
+    def _prepare_again(self, args: tuple, device_placement):
+        """What prepare() built, handed back (the Trainer's free_memory() emptied Accelerate's lists: refilled)."""
+        result = []
+        for obj in args:
+            if _is_loader(obj):
+                result.append(super().prepare(obj, device_placement=device_placement))
+                continue
+            own = self.engine if obj is self.engine or obj is self.engine.module else next(
+                w for w in self._engine_wrappers if _wraps(w, obj)
+            )
+            registry = self._models if own is self.engine else (
+                self._schedulers if isinstance(own, AcceleratedScheduler) else self._optimizers
+            )
+            if not any(own is x for x in registry):
+                registry.append(own)
+            result.append(own)
+        return tuple(result) if len(result) > 1 else result[0]
+
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
-        """Evaluation before training (the Trainer's evaluate()/predict()): below stage 3 the bare model runs on
-        the device; at stage 3 the parameters need the engine's hooks, so the engine is built."""
+        """Evaluation before training (the Trainer's evaluate()/predict() before train()) builds no engine: the
+        model runs bare on the device, or, partitioned at load time by zero.Init, with each module gathering its
+        own parameters as it runs (EvaluationGathering) until prepare() builds the engine."""
         if self.engine is not None and model in (self.engine, self.engine.module):
             return self.engine
-        if evaluation_mode and (self.infinity_config.get("zero_optimization") or {}).get("stage", 0) != 3:
-            return model.to(self.device)
+        if evaluation_mode and self.engine is None:
+            return self._prepare_for_evaluation(model)
         return self.prepare(model)
+
+    def _prepare_for_evaluation(self, model: nn.Module) -> nn.Module:
+        _check_not_owned(model)
+        if any(_is_partitioned(p) for p in model.parameters()):
+            if self._evaluation_gathering is None:
+                self._evaluation_gathering = EvaluationGathering(model)
+        else:
+            model = model.to(self.device)
+        if model not in self._models:
+            self._models.append(model)
+        return model
+
+    def _end_evaluation_gathering(self) -> None:
+        if self._evaluation_gathering is not None:
+            self._evaluation_gathering.remove()
+            self._evaluation_gathering = None
+        self._models.clear()  # the bare model evaluation ran: the engine takes its place
 
     def _build_engine(self, model: nn.Module, optimizer, scheduler, loaders: list):
         import infinity
@@ -202,6 +369,7 @@ class InfinityAccelerator(Accelerator):
             kwargs["optimizer"] = optimizer
         engine, _, _, engine_scheduler = infinity.initialize(**kwargs)
         self.engine = engine
+        _OWNERS[model] = weakref.ref(engine)
         self._models.append(engine)
         wrapped_optimizer = InfinityOptimizer(_optimizer_of(engine), self)
         self._optimizers.append(wrapped_optimizer)
@@ -215,6 +383,7 @@ class InfinityAccelerator(Accelerator):
             )  # fmt: skip
         if wrapped_scheduler is not None:
             self._schedulers.append(wrapped_scheduler)
+        self._engine_wrappers = [w for w in (wrapped_optimizer, wrapped_scheduler) if w is not None]
         return engine, wrapped_optimizer, wrapped_scheduler
 
     def _fill_config(self, model: nn.Module, optimizer, scheduler, loaders: list) -> dict:
@@ -318,6 +487,8 @@ class InfinityAccelerator(Accelerator):
             )
         engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         skipped = engine.skipped_steps
+        if boundary:  # the learning rates this step uses, before the engine steps its scheduler
+            self.step_lrs = [group["lr"] for group in _optimizer_of(engine).param_groups]
         engine.step()
         if boundary:
             self.last_step_skipped = engine.skipped_steps != skipped

@@ -11,8 +11,11 @@ which turns prepare(model, optimizer) into the engine. The Trainer then divides 
 itself (the engine does not divide again), marks each micro-batch's ``sync_gradients`` (the engine's window
 follows it) and runs non-final micro-batches under ``no_sync`` (nothing to switch off: the engine reduces as its
 window requires). The Trainer's own scheduler is built on the engine's param groups and stepped once per optimizer
-step; a scheduler from the JSON is stepped by the engine. evaluate() and predict() call the bare model: at stage 3
-its modules carry the engine's hooks, which gather each unit as it runs.
+step; a scheduler from the JSON is stepped by the engine. evaluate() and predict() call the bare model: after
+train() at stage 3 its modules carry the engine's hooks, which gather each unit as it runs; before train() no
+engine is built (the model runs as it is, or, partitioned at load time, each module gathers its own parameters:
+accelerate.EvaluationGathering). A second train() goes on with the same engine, as the Trainer goes on with the
+same model and optimizer.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from transformers.trainer import SAFE_WEIGHTS_NAME, SCHEDULER_NAME, TRAINING_ARG
 
 from infinity.config import load_json
 from infinity.errors import CheckpointError, ConfigError
-from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler
+from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler, apply_mixed_precision
 from infinity.integrations.hf_config import fill_from_model, fill_from_training_args
 from infinity.integrations.hf_loading import HfInfinityConfig
 
@@ -67,7 +70,9 @@ class InfinityTrainingArguments(TrainingArguments):
         if isinstance(self.infinity, os.PathLike):
             self.infinity = os.fspath(self.infinity)
         super().__post_init__()
-        self.infinity_config = fill_from_training_args(load_json(self.infinity), self, world_size=self.world_size)
+        precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        config = apply_mixed_precision(load_json(self.infinity), precision)  # as Accelerate's DeepSpeed plugin
+        self.infinity_config = fill_from_training_args(config, self, world_size=self.world_size)
         # The engine owns precision (the config's fp16/bf16, filled from fp16/bf16 above) and loss scaling:
         # Accelerate must set up neither autocast nor a GradScaler.
         self.mixed_precision = "no"
@@ -77,6 +82,29 @@ class InfinityTrainingArguments(TrainingArguments):
     def place_model_on_device(self) -> bool:
         """The engine places the model (at stage 3, one unit at a time): the Trainer must not move it whole."""
         return False
+
+
+def _is_partitioned(param: nn.Parameter) -> bool:
+    from infinity.zero.init import init_shard
+
+    return init_shard(param) is not None
+
+
+def gathered_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:
+    """Collective: the state dict of a model partitioned at load time (no engine yet), its modules' parameters
+    gathered one module at a time; copies on the CPU where ``keep`` (the rank that writes), else {}."""
+    from infinity.zero import GatheredParameters
+
+    values: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        params = [p for p in module.parameters(recurse=False) if id(p) not in values]
+        with GatheredParameters(params):
+            for param in params:
+                values[id(param)] = param.detach().to("cpu", copy=True) if keep else param.new_empty(0)
+    if not keep:
+        return {}
+    return {key: values[id(value)] if id(value) in values else value.detach().to("cpu", copy=True)
+            for key, value in model.state_dict(keep_vars=True).items()}  # fmt: skip
 
 
 class InfinityTrainer(Trainer):
@@ -89,8 +117,13 @@ class InfinityTrainer(Trainer):
     - create_optimizer: with an "optimizer" section the engine builds it (a DummyOptim stands in, as with
       DeepSpeed); without one, the Trainer's optimizer is handed to the engine.
     - create_scheduler: the JSON's scheduler, stepped by the engine, behind a wrapper; else Trainer's own.
+    - _clip_grad_norm: as the Trainer does under DeepSpeed, no clipping of its own: the engine clipped in its step
+      to the config's gradient_clipping (none when the config has no such key, whatever max_grad_norm says: a
+      warning says so once); the norm it measured is logged.
     - save_model: the weights gathered in 16 bits into model.safetensors with config.json (from_pretrained loads
-      the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, the engine's checkpoint instead.
+      the folder); at stage 3 without stage3_gather_16bit_weights_on_model_save, config.json and the engine's
+      checkpoint instead (as Transformers' DeepSpeed branch). Before train(), a model partitioned at load time is
+      gathered module by module and saved whole by the writing rank.
     - _save_optimizer_and_scheduler / _load_optimizer_and_scheduler: the engine's sharded checkpoint (never rank
       0's optimizer.pt); the Trainer's own scheduler still goes to scheduler.pt.
     - _load_from_checkpoint: nothing before prepare; the engine's checkpoint brings the weights with the rest.
@@ -127,7 +160,7 @@ class InfinityTrainer(Trainer):
 
     @property
     def engine(self):
-        """The infinity engine, once train() (or evaluate() at stage 3) has built it; else None."""
+        """The infinity engine, once train() has built it; else None."""
         return self.accelerator.engine
 
     def create_optimizer(self, model: nn.Module | None = None):
@@ -146,12 +179,29 @@ class InfinityTrainer(Trainer):
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
 
+    def _clip_grad_norm(self, model):
+        clipping = float(self.engine.config.gradient_clipping or 0.0)
+        if clipping != float(self.args.max_grad_norm) and not getattr(self, "_clipping_warned", False):
+            self._clipping_warned = True
+            logger.warning(
+                "max_grad_norm is %s but the config's gradient_clipping is %s: the engine clips with the config's "
+                "value, as DeepSpeed does (set gradient_clipping to \"auto\" to take max_grad_norm)",
+                self.args.max_grad_norm, clipping or "absent",
+            )  # fmt: skip
+        return self.accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+
     # ---- saving ----
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         engine = self.engine
+        output_dir = self.args.output_dir if output_dir is None else os.fspath(output_dir)
         if engine is None:
-            return super().save_model(output_dir, _internal_call)
-        output_dir = self.args.output_dir if output_dir is None else output_dir
+            if any(_is_partitioned(p) for p in self.model.parameters()):
+                state = gathered_state_dict(self.model, keep=self.args.should_save)  # collective
+                if self.args.should_save:
+                    self._save(output_dir, state_dict=state)
+            else:
+                super().save_model(output_dir, _internal_call)
+            return
         if engine.save_16bit_model(output_dir, SAFE_WEIGHTS_NAME):
             if self.args.should_save:
                 if self.processing_class is not None:
@@ -159,13 +209,29 @@ class InfinityTrainer(Trainer):
                 torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         else:
             logger.warning(
-                "save_model: stage3_gather_16bit_weights_on_model_save is false, so %s gets the engine's checkpoint "
-                "instead of model.safetensors (`infinity ckpt to-fp32` makes safetensors from it)", output_dir
+                "save_model: stage3_gather_16bit_weights_on_model_save is false, so %s gets the model's config and "
+                "the engine's checkpoint instead of model.safetensors (`infinity ckpt to-fp32` makes safetensors "
+                "from it)", output_dir
             )  # fmt: skip
+            if self.args.should_save:  # the folder exists now: the Trainer looks for the best checkpoint's next
+                self._save_model_files(output_dir)
             if not (_internal_call and not self.args.save_only_model):  # _save_checkpoint saves it next anyway
                 engine.save_checkpoint(output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_model_files(self, output_dir: str) -> None:
+        """What from_pretrained needs beside the weights (the model's config, its generation config), the
+        processing class and the arguments, as the Trainer's DeepSpeed branch leaves them."""
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model)
+        for name in ("config", "generation_config"):
+            part = getattr(model, name, None)
+            if part is not None and hasattr(part, "save_pretrained"):
+                part.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(output_dir)

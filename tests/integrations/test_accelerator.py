@@ -143,6 +143,16 @@ def test_accelerator_refuses_what_it_cannot_honour():
         accelerator.clip_grad_norm_(engine.parameters(), 0.5)
     with pytest.raises(ConfigError, match="already given a model"):
         accelerator.prepare(tiny_gpt2())
+    assert accelerator.prepare(optimizer) is optimizer  # what it prepared comes back (a second trainer.train())
+    with pytest.raises(ConfigError, match=r"belongs to a live infinity engine .* engine.destroy\(\)"):
+        InfinityAccelerator(infinity=stage_config(2), cpu=True).prepare(model, torch.optim.AdamW(model.parameters()))
+    engine.destroy()
+    # Below stage 3 the weights stay in the model: once its engine is destroyed, another may take it over.
+    fresh_accelerate_state()
+    again = InfinityAccelerator(infinity=stage_config(2), cpu=True)
+    loader = torch.utils.data.DataLoader(CountingData(4), batch_size=2)
+    engine, _, loader = again.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    again.backward(engine(**next(iter(loader))).loss)
     engine.destroy()
     with pytest.raises(ConfigError, match="does not take deepspeed_plugin"):
         InfinityAccelerator(infinity=stage_config(2), deepspeed_plugin=object())
