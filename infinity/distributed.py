@@ -90,6 +90,10 @@ class Distributed:
                 "on every rank (not only under `if rank == 0`)"
             )
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """[Note: teardown]. Safe to call twice; never raises (it also runs at interpreter exit)."""
         if self._closed:

@@ -620,6 +620,11 @@ class Engine(nn.Module):
         generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
         return _TrainingDataLoader(training_data, sampler=sampler, generator=generator, **batch)
 
+    @property
+    def destroyed(self) -> bool:
+        """True once destroy() has run: the engine's hooks and process groups are gone."""
+        return self.distributed.closed
+
     def destroy(self) -> None:
         """Collective (every rank calls it): finishes what is in flight, removes the engine's hooks, and tears
         down the process groups it created ([Note: teardown] in distributed.py). Also runs at interpreter exit

@@ -173,17 +173,13 @@ def _is_partitioned(param: nn.Parameter) -> bool:
 _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _engine_alive(engine) -> bool:
-    return not getattr(engine.distributed, "_closed", False)
-
-
 def _check_not_owned(model: nn.Module) -> None:
     """A model another engine holds cannot be prepared again: say so here, not deep inside initialize()."""
     owner = _OWNERS.get(model)
     engine = None if owner is None else owner()
     if engine is None:
         return
-    if _engine_alive(engine):
+    if not engine.destroyed:
         raise ConfigError(
             f"this {type(model).__name__} already belongs to a live infinity engine (prepared by another "
             "InfinityAccelerator or InfinityTrainer): call engine.destroy() on that engine first (trainer.engine or "
