@@ -38,6 +38,7 @@ from infinity.errors import CheckpointError, ConfigError
 from infinity.integrations.accelerate import InfinityAccelerator, InfinityScheduler, apply_mixed_precision
 from infinity.integrations.hf_config import fill_from_model, fill_from_training_args
 from infinity.integrations.hf_loading import HfInfinityConfig
+from infinity.lr_schedules import build_schedule
 
 logger = logging.getLogger("infinity")
 
@@ -174,10 +175,23 @@ class InfinityTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         engine = self.engine
         if self.lr_scheduler is None and engine is not None and engine.lr_scheduler is not None:
+            if getattr(self, "_json_schedule_used", False):  # a later train(): a fresh schedule, as the plain
+                engine.lr_scheduler = self._fresh_json_schedule(num_training_steps)  # Trainer builds one
+            self._json_schedule_used = True
             self.lr_scheduler = InfinityScheduler(engine.lr_scheduler, self.optimizer)
             self._created_lr_scheduler = True
             return self.lr_scheduler
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def _fresh_json_schedule(self, num_training_steps: int):
+        """The JSON's scheduler built again from step 0 on the engine's optimizer, its step counts filled for
+        this train() call (the engine's own schedule has run its course with the previous call)."""
+        engine = self.engine
+        model_config = getattr(engine.module, "config", None)
+        filled = fill_from_model(self.args.infinity_config, self.args, model_config=model_config,
+                                 num_training_steps=num_training_steps)  # fmt: skip
+        schedule = dataclasses.replace(engine.config.scheduler, params=dict(filled["scheduler"].get("params") or {}))
+        return build_schedule(schedule, engine.zero_optimizer.optimizer)
 
     def _clip_grad_norm(self, model):
         clipping = float(self.engine.config.gradient_clipping or 0.0)

@@ -179,10 +179,10 @@ def test_clipping_and_precision_as_with_deepspeed(tmp_path, caplog):
                                                           "warmup_num_steps": "auto", "warmup_type": "linear"}}
     schedule = {"max_steps": 3, "warmup_steps": 4, "lr_scheduler_type": "constant_with_warmup"}
     with caplog.at_level("WARNING", logger="infinity"):
-        run = train(config, tmp_path / "unclipped", **schedule)
+        run = train(config, tmp_path / "unclipped", twice=True, **schedule)  # the second: a fresh schedule
     assert sum("the engine clips with the config's value" in r.getMessage() for r in caplog.records) == 1
     run.trainer.engine.destroy()
-    plain = train(None, tmp_path / "plain", max_grad_norm=0.0, **schedule)
+    plain = train(None, tmp_path / "plain", max_grad_norm=0.0, twice=True, **schedule)
     assert [s["learning_rate"] for s in plain.steps] == [0.0, 0.0025, 0.005]
     assert_same_run(run, plain, "no gradient_clipping, the JSON's scheduler")
 
