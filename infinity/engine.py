@@ -73,6 +73,35 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return groups
 
 
+# Which engine holds each model (both weakly): an engine owns its model's weights (at stage 3 in its partitions).
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_model_free(model: nn.Module) -> None:
+    """A model a live engine holds cannot go to another one: said here, not as a shape error deep inside."""
+    owner = _OWNERS.get(model)
+    engine = None if owner is None else owner()
+    if engine is None:
+        return
+    name = type(model).__name__
+    if not engine.destroyed:
+        raise ConfigError(
+            f"this {name} already belongs to a live infinity engine (built by initialize(), an "
+            "InfinityAccelerator or an InfinityTrainer): call engine.destroy() on that engine first (trainer.engine "
+            "or the model prepare() returned), or keep using it"
+        )
+    if engine.stage3 is not None:
+        raise ConfigError(
+            f"this {name} was partitioned by a stage-3 engine, now destroyed, which kept its weights in its "
+            "partitions: save the weights before destroy() (engine.save_16bit_model, trainer.save_model or "
+            "accelerator.get_state_dict) and build the model again from them"
+        )
+
+
+def claim_model(model: nn.Module, engine: Engine) -> None:
+    _OWNERS[model] = weakref.ref(engine)
+
+
 def _remove_hooks(zero_optimizer, stage3: Stage3 | None) -> None:
     """The hooks on the model's parameters and modules refer to the optimizer and the stage-3 runtime: without
     removing them, a dropped engine would live (and keep training state) as long as the model. An inference
@@ -280,6 +309,7 @@ class Engine(nn.Module):
             if tiled.gradients is not None:
                 logger.info("gradients on nvme with the optimizer; rank 0 holds %s", tiled.gradients.manager.describe())
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
+        claim_model(self.module, self)
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.global_steps = 0
@@ -296,7 +326,9 @@ class Engine(nn.Module):
     def _join(self, model: nn.Module, raw_config: dict, *, user_optimizer, training_data) -> None:
         """What every engine does first: the process group, the parsed config, the device and compute dtype, and
         the model (below stage 3 moved to the device; at stage 3 it moves unit by unit as it is partitioned, so
-        the whole model never is), its floating buffers in the compute dtype."""
+        the whole model never is), its floating buffers in the compute dtype. A model another live engine holds
+        is refused first."""
+        check_model_free(model)
         return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
         self.raw_config = dict(raw_config)  # as given: checkpoints record it
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from infinity.config import AUTO
-from infinity.engine import Engine, _cast_inputs, _remove_hooks
+from infinity.engine import Engine, _cast_inputs, _remove_hooks, claim_model
 from infinity.errors import ConfigError
 from infinity.memory.host import trim_heap
 from infinity.memory.offload import agree_run_id, parameter_shards
@@ -90,6 +90,7 @@ class InferenceEngine(Engine):
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         self._log_placement()
         weakref.finalize(self, _remove_hooks, None, self.stage3)  # a dropped engine lets go of the model
+        claim_model(self.module, self)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.last_grad_norm = None
@@ -180,8 +181,11 @@ class InferenceEngine(Engine):
     def save_checkpoint(self, *args, **kwargs) -> bool:
         self._no_optimizer("save_checkpoint() (a training checkpoint; save_16bit_model() saves the weights)")
 
-    def load_checkpoint(self, *args, **kwargs):
-        self._no_optimizer(
-            "load_checkpoint() (a training checkpoint; for inference load the weights with from_pretrained, "
-            "after `infinity ckpt to-fp32` or save_16bit_model())"
+    def load_checkpoint(self, load_dir=None, *args, **kwargs):
+        """Refused, load_module_only=True included (the checkpoint loader maps arrays through the optimizer's
+        partitions): the weights come in before initialize(), from safetensors."""
+        raise ConfigError(
+            f"load_checkpoint({load_dir!r}) on an inference engine is not supported, load_module_only=True "
+            "included: turn the checkpoint into safetensors with `infinity ckpt to-fp32 CHECKPOINT OUT` and load "
+            "the model from OUT (from_pretrained, or load_state_dict before infinity.initialize())"
         )

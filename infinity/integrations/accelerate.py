@@ -36,7 +36,6 @@ import functools
 import logging
 import math
 import os
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +48,7 @@ from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # plain class
 from torch import nn
 
 from infinity.config import AUTO, load_json
+from infinity.engine import check_model_free
 from infinity.errors import ConfigError
 from infinity.integrations.accelerate_config import from_environment
 
@@ -169,30 +169,6 @@ def _is_partitioned(param: nn.Parameter) -> bool:
     return init_shard(param) is not None
 
 
-# Which engine each prepared model went to (both weakly): a model belongs to one engine, which holds its weights.
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _check_not_owned(model: nn.Module) -> None:
-    """A model another engine holds cannot be prepared again: say so here, not deep inside initialize()."""
-    owner = _OWNERS.get(model)
-    engine = None if owner is None else owner()
-    if engine is None:
-        return
-    if not engine.destroyed:
-        raise ConfigError(
-            f"this {type(model).__name__} already belongs to a live infinity engine (prepared by another "
-            "InfinityAccelerator or InfinityTrainer): call engine.destroy() on that engine first (trainer.engine or "
-            "the model prepare() returned), or keep training through it"
-        )
-    if engine.stage3 is not None:
-        raise ConfigError(
-            f"this {type(model).__name__} was trained by a stage-3 engine, now destroyed, which kept its weights in "
-            "its partitions: save the weights before destroy() (trainer.save_model / accelerator.get_state_dict) and "
-            "build the model again from them"
-        )
-
-
 def _optimizer_of(engine) -> torch.optim.Optimizer:
     return engine.zero_optimizer.optimizer
 
@@ -285,7 +261,7 @@ class InfinityAccelerator(Accelerator):
                 "InfinityAccelerator.prepare was already given a model; its engine exists. Use a new accelerator "
                 "for another model"
             )
-        _check_not_owned(models[0])
+        check_model_free(models[0])  # before the "auto" checks: the more useful message
         self._end_evaluation_gathering()
         result = [self.prepare_data_loader(obj) if _is_loader(obj) else obj for obj in args]
         optimizer = next((obj for obj in args if isinstance(obj, torch.optim.Optimizer | DummyOptim)), None)
@@ -336,7 +312,7 @@ class InfinityAccelerator(Accelerator):
         return self.prepare(model)
 
     def _prepare_for_evaluation(self, model: nn.Module) -> nn.Module:
-        _check_not_owned(model)
+        check_model_free(model)
         if any(_is_partitioned(p) for p in model.parameters()):
             if self._evaluation_gathering is None:
                 self._evaluation_gathering = EvaluationGathering(model)
@@ -365,7 +341,6 @@ class InfinityAccelerator(Accelerator):
             kwargs["optimizer"] = optimizer
         engine, _, _, engine_scheduler = infinity.initialize(**kwargs)
         self.engine = engine
-        _OWNERS[model] = weakref.ref(engine)
         self._models.append(engine)
         wrapped_optimizer = InfinityOptimizer(_optimizer_of(engine), self)
         self._optimizers.append(wrapped_optimizer)

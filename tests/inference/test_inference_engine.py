@@ -75,6 +75,8 @@ def test_training_calls_and_training_sections_are_clear_errors(model_dir, tmp_pa
     for call in (lambda: engine.backward(loss), engine.step, lambda: engine.save_checkpoint(str(tmp_path))):
         with pytest.raises(ConfigError, match=r'inference engine.*no optimizer.*add an "optimizer" section'):
             call()
+    with pytest.raises(ConfigError, match=r"not supported, load_module_only=True included: .*infinity ckpt to-fp32"):
+        engine.load_checkpoint(str(tmp_path), load_module_only=True)
     engine.destroy()
     with pytest.raises(ConfigError, match="lr_scheduler= was given but no optimizer"):
         infinity.initialize(model=load_tiny_gpt2(model_dir), config={}, lr_scheduler=lambda optimizer: None)
@@ -100,3 +102,17 @@ def test_below_stage3_the_whole_model_is_on_the_device_in_the_compute_dtype(mode
     assert torch.equal(engine.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                                        do_sample=False), greedy(plain, prompt, max_new_tokens=4))  # fmt: skip
     engine.destroy()
+
+
+def test_a_model_belongs_to_one_engine(model_dir, tmp_path):
+    """A model a live engine holds is refused by the next initialize() with a message naming destroy(); below
+    stage 3 a destroyed engine's model can go to a new one; a destroyed stage-3 engine kept the weights."""
+    model = load_tiny_gpt2(model_dir)
+    engine, *_ = infinity.initialize(model=model, config={"zero_optimization": {"stage": 2}})
+    with pytest.raises(ConfigError, match=r"already belongs to a live infinity engine.*engine\.destroy\(\)"):
+        infinity.initialize(model=model, config={"zero_optimization": {"stage": 2}})
+    engine.destroy()
+    engine, *_ = infinity.initialize(model=model, config=stage3_nvme_config(str(tmp_path)))
+    engine.destroy()
+    with pytest.raises(ConfigError, match="partitioned by a stage-3 engine, now destroyed"):
+        infinity.initialize(model=model, config={"zero_optimization": {"stage": 2}})
