@@ -10,7 +10,10 @@ at world size > 1 is alive, the model's own ``generate`` defaults ``synced_gpus`
 wrapping the class's method, removed with the engine's hooks. Chosen over patching transformers (whose internals
 change between versions) and over an engine-only ``generate`` (DeepSpeed's ZeRO-Inference code calls
 ``engine.module.generate``, as do Trainer and pipelines). An explicit ``synced_gpus=False`` is respected: ranks
-that then stop at different lengths fail within collective_timeout with an error naming the collective.
+that then stop at different lengths fail within collective_timeout with an error naming the collective. The
+wrapper is a plain function in the instance's ``__dict__``, so it does not survive pickling (``torch.save(model)``)
+and a deep copy calls the original model's generate; neither means anything for a model whose parameters are
+stage-3 placeholders anyway (save_16bit_model gives the weights).
 """
 
 from __future__ import annotations
