@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from infinity.memory.host import process_status_bytes
+
 MODES = ["plain", "ram", "nvme"]
 LAYERS, HIDDEN, HEADS, VOCAB = 24, 1024, 16, 50257
 BLOCK_NUMEL = 12 * HIDDEN * HIDDEN  # one block's weights (attention 4 h^2, MLP 8 h^2)
@@ -50,14 +52,6 @@ def engine_config(mode: str, nvme_path: str) -> dict:
     if mode == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0}
     return {"zero_optimization": zero}
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
 def worker(args) -> None:
@@ -107,7 +101,7 @@ def worker(args) -> None:
         "generate_s": times,
         "tokens_per_s": [args.new_tokens / t for t in times],
         "median_tokens_per_s": statistics.median(args.new_tokens / t for t in times),
-        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_rss_bytes": process_status_bytes("VmHWM"),
         "tokens": tokens,
     }
     if engine is not None:

@@ -62,3 +62,17 @@ def return_freed_memory() -> bool:
         "glibc M_MMAP_THRESHOLD fixed at %d bytes: freed large blocks go back to the kernel", MMAP_THRESHOLD_BYTES
     )
     return True
+
+
+def process_status_bytes(field: str) -> int:
+    """A size field of /proc/self/status in bytes: VmRSS (resident now), VmHWM (the peak). Read there rather than
+    from getrusage's ru_maxrss, which Linux carries across execve: a process started by a large parent (a test
+    runner, a notebook) would report the parent's peak. 0 where the field (or the file) does not exist."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -14,6 +14,7 @@ import torch
 import infinity
 from infinity.checkpoint.manifest import MANIFEST
 from infinity.errors import CheckpointError
+from infinity.memory.host import process_status_bytes
 from infinity.train import models
 from infinity.train.data import token_source
 from infinity.train.disk import DiskBusy
@@ -23,16 +24,6 @@ from infinity.train.summary import Summary, io_totals
 from infinity.zero.collectives import all_reduce_mean
 
 logger = logging.getLogger("infinity")
-
-
-def _peak_rss_bytes() -> int:
-    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that across execve, so a run
-    started by a large parent (a test runner, a notebook) would report the parent's peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _checkpoint_and_tag(resume: str) -> tuple[str, str | None]:
@@ -146,8 +137,8 @@ class Run:
         self.progress.close()
         summary = Summary.gather(
             engine=engine, plan=plan, losses=losses, first_step=first_step, step_times=step_times, loop_s=loop_s,
-            total_s=time.perf_counter() - started, io=io, disk_busy_s=disk_busy_s, peak_rss=_peak_rss_bytes(),
-            checkpoint=self.saved_to,
+            total_s=time.perf_counter() - started, io=io, disk_busy_s=disk_busy_s,
+            peak_rss=process_status_bytes("VmHWM"), checkpoint=self.saved_to,
             median_step_s=statistics.median(step_times) if step_times else 0.0, tokens_per_step=tokens_per_step,
         )  # fmt: skip
         engine.destroy()

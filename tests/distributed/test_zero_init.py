@@ -15,6 +15,7 @@ import infinity
 import infinity.memory.host
 import infinity.zero
 from infinity.errors import ConfigError
+from infinity.memory.host import process_status_bytes
 from infinity.zero.init import init_shard
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import (
@@ -30,14 +31,6 @@ from tests.distributed.training import (
 MiB = 2**20
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _nvme_config(nvme_path: str) -> dict:
     return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_path}}}
 
@@ -47,13 +40,13 @@ def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_
     infinity.memory.host.return_freed_memory()  # as Init does on entry: the plain build is measured alike
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
-    before = _rss_bytes("VmRSS")
+    before = process_status_bytes("VmRSS")
     if use_init:
         with infinity.zero.Init(config=None if nvme_path is None else _nvme_config(nvme_path)):
             model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     else:
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-    peak = _rss_bytes("VmHWM") - before
+    peak = process_status_bytes("VmHWM") - before
     placeholders = all(p.numel() == 0 for p in model.parameters())
     on_disk, left = 0, []
     if nvme_path is not None:

@@ -10,16 +10,9 @@ import infinity
 from infinity import ConfigError
 from infinity.engine import Engine
 from infinity.inference import InferenceEngine
+from infinity.memory.host import process_status_bytes
 from infinity.zero.units import UnitState
 from tests.inference.models import greedy, load_tiny_gpt2, save_tiny_gpt2, stage3_nvme_config
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"{field} not in /proc/self/status")
 
 
 @pytest.fixture(autouse=True)
@@ -52,12 +45,12 @@ def test_stage3_nvme_logits_and_greedy_tokens_equal_the_plain_model_and_calls_le
     assert torch.equal(greedy(engine.module, prompt, max_new_tokens=8, eos_token_id=None), reference)
     engine.zero_stats()  # the first calls recorded the trace; from here each pass reads ahead along it
 
-    fds, rss, tiers = len(os.listdir("/proc/self/fd")), _status_bytes("VmRSS"), engine.tier_stats()["parameters"]
+    fds, rss, tiers = len(os.listdir("/proc/self/fd")), process_status_bytes("VmRSS"), engine.tier_stats()["parameters"]
     for _ in range(4):
         assert torch.equal(greedy(engine.module, prompt, max_new_tokens=8, eos_token_id=None), reference)
     after = engine.tier_stats()["parameters"]
     assert len(os.listdir("/proc/self/fd")) == fds
-    assert _status_bytes("VmRSS") - rss < 4 << 20  # a leaked unit per forward would be ~4 MiB here
+    assert process_status_bytes("VmRSS") - rss < 4 << 20  # a leaked unit per forward would be ~4 MiB here
     assert all(u.state is UnitState.RELEASED and u.full.untyped_storage().nbytes() == 0
                for u in engine.stage3.table.units)  # fmt: skip
     assert after["held_bytes"] == tiers["held_bytes"] and after["staging_bytes"] == tiers["staging_bytes"]

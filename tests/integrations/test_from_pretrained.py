@@ -12,6 +12,7 @@ import torch
 import infinity
 import infinity.zero
 from infinity.errors import ConfigError
+from infinity.memory.host import process_status_bytes
 from tests.distributed.harness import run_distributed
 
 transformers = pytest.importorskip("transformers", minversion="5.24")  # the pinned range (pyproject.toml)
@@ -84,14 +85,6 @@ def _rank_bytes(nvme: Path, rank: int) -> int:
     return sum(f.stat().st_size for f in nvme.rglob(f"rank{rank}/*") if f.is_file() and f.name != "lock")
 
 
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _load_peak(load) -> int:
     """How far resident memory rose above its level before ``load()`` and a first read of every weight.
     Transformers 5 maps a safetensors checkpoint and its parameters stay views of the mapping until read, so
@@ -99,12 +92,12 @@ def _load_peak(load) -> int:
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM back to the current RSS (the fork server's high-water mark is not ours)
-    before = _rss_bytes("VmRSS")
+    before = process_status_bytes("VmRSS")
     model = load()
     with torch.no_grad():
         for param in model.parameters():
             param.sum()
-    peak = _rss_bytes("VmHWM") - before
+    peak = process_status_bytes("VmHWM") - before
     del model
     gc.collect()
     return peak

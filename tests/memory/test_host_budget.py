@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.memory.host import process_status_bytes
 from tests.distributed.harness import run_distributed
 
 WIDTH = 1024
@@ -28,14 +29,6 @@ BUFFERS = 4
 TILE = WIDTH * WIDTH  # sub_group_size: one tile per weight
 MIB = 1 << 20
 FIXED_OVERHEAD = 64 * MIB  # autograd's graph, allocator slack, Python objects: independent of the model's size
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _reset_peak() -> None:
@@ -87,7 +80,7 @@ def _runtime_baseline(nvme_path: str) -> int:
     engine.step()
     engine.destroy()
     del engine, small
-    return _status_bytes("VmRSS")
+    return process_status_bytes("VmRSS")
 
 
 def _train(*, rank: int, world_size: int, nvme_path: str) -> dict:
@@ -105,7 +98,7 @@ def _train(*, rank: int, world_size: int, nvme_path: str) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    peak = _status_bytes("VmHWM")
+    peak = process_status_bytes("VmHWM")
     stats = engine.tier_stats()
     engine.destroy()
     return {"baseline": baseline, "peak": peak, "state_bytes": state_bytes, "losses": losses, "stats": stats}
