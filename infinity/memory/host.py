@@ -67,12 +67,10 @@ def return_freed_memory() -> bool:
 def process_status_bytes(field: str) -> int:
     """A size field of /proc/self/status in bytes: VmRSS (resident now), VmHWM (the peak). Read there rather than
     from getrusage's ru_maxrss, which Linux carries across execve: a process started by a large parent (a test
-    runner, a notebook) would report the parent's peak. 0 where the field (or the file) does not exist."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    runner, a notebook) would report the parent's peak. Linux only (as the engine's I/O core): a missing field is a
+    KeyError, not a zero a measurement could pass with."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"{field} is not in /proc/self/status")
