@@ -191,7 +191,11 @@ class InfinityTrainer(Trainer):
         filled = fill_from_model(self.args.infinity_config, self.args, model_config=model_config,
                                  num_training_steps=num_training_steps)  # fmt: skip
         schedule = dataclasses.replace(engine.config.scheduler, params=dict(filled["scheduler"].get("params") or {}))
-        return build_schedule(schedule, engine.zero_optimizer.optimizer)
+        optimizer = engine.zero_optimizer.optimizer
+        # A schedule of ratios (WarmupCosineLR) takes its base from the groups' lr, which the last one decayed.
+        for group, base in zip(optimizer.param_groups, getattr(engine.lr_scheduler, "base_lrs", ()), strict=False):
+            group["lr"] = base
+        return build_schedule(schedule, optimizer)
 
     def _clip_grad_norm(self, model):
         clipping = float(self.engine.config.gradient_clipping or 0.0)

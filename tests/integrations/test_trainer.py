@@ -186,6 +186,13 @@ def test_clipping_and_precision_as_with_deepspeed(tmp_path, caplog):
     assert [s["learning_rate"] for s in plain.steps] == [0.0, 0.0025, 0.005]
     assert_same_run(run, plain, "no gradient_clipping, the JSON's scheduler")
 
+    # WarmupCosineLR takes ratios of the optimizer's lr: a second train() starts again from the full rate.
+    cosine = {**stage_config(2), "scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": "auto", "warmup_num_steps": "auto", "warmup_type": "linear", "cos_min_ratio": 0.0001}}}
+    run = train(cosine, tmp_path / "cosine", twice=True, max_steps=3, warmup_steps=1)
+    assert [s["learning_rate"] for s in run.again] == [s["learning_rate"] for s in run.steps]
+    run.trainer.engine.destroy()
+
     args = InfinityTrainingArguments(infinity=stage_config(2), **training_arguments(tmp_path, bf16=True))
     assert args.infinity_config["bf16"] == {"enabled": True} and "fp16" not in args.infinity_config
     with pytest.raises(ConfigError, match='mixed precision bf16 was asked for .* the config enables "fp16"'):
