@@ -15,6 +15,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,33 +74,43 @@ def _param_groups(model: nn.Module, model_parameters) -> list[dict]:
     return groups
 
 
-# Which engine holds each model (both weakly): an engine owns its model's weights (at stage 3 in its partitions).
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+@dataclass(frozen=True, slots=True)
+class _Owner:
+    engine: weakref.ref  # the engine that holds the model
+    partitioned: bool  # a stage-3 engine moved its weights into its partitions: the model itself has none left
+
+
+# The engine of each model, by id (a model class need not be hashable); an entry goes when its model does.
+_OWNERS: dict[int, _Owner] = {}
 
 
 def check_model_free(model: nn.Module) -> None:
-    """A model a live engine holds cannot go to another one: said here, not as a shape error deep inside."""
-    owner = _OWNERS.get(model)
-    engine = None if owner is None else owner()
-    if engine is None:
+    """A model a live engine holds cannot go to another one: said here, not as a shape error deep inside. Nor can
+    one a stage-3 engine partitioned, once that engine is destroyed or dropped: its weights went with it."""
+    owner = _OWNERS.get(id(model))
+    if owner is None:
         return
     name = type(model).__name__
-    if not engine.destroyed:
+    engine = owner.engine()
+    if engine is not None and not engine.destroyed:
         raise ConfigError(
             f"this {name} already belongs to a live infinity engine (built by initialize(), an "
             "InfinityAccelerator or an InfinityTrainer): call engine.destroy() on that engine first (trainer.engine "
             "or the model prepare() returned), or keep using it"
         )
-    if engine.stage3 is not None:
+    if owner.partitioned:
         raise ConfigError(
-            f"this {name} was partitioned by a stage-3 engine, now destroyed, which kept its weights in its "
-            "partitions: save the weights before destroy() (engine.save_16bit_model, trainer.save_model or "
+            f"this {name} was partitioned by a stage-3 engine, now destroyed or dropped, which kept its weights in "
+            "its partitions: save the weights before destroy() (engine.save_16bit_model, trainer.save_model or "
             "accelerator.get_state_dict) and build the model again from them"
         )
 
 
-def claim_model(model: nn.Module, engine: Engine) -> None:
-    _OWNERS[model] = weakref.ref(engine)
+def claim_model(model: nn.Module, engine: Engine, *, partitioned: bool) -> None:
+    key = id(model)
+    if key not in _OWNERS:
+        weakref.finalize(model, _OWNERS.pop, key, None)
+    _OWNERS[key] = _Owner(weakref.ref(engine), partitioned)
 
 
 def _remove_hooks(zero_optimizer, stage3: Stage3 | None) -> None:
@@ -309,7 +320,8 @@ class Engine(nn.Module):
             if tiled.gradients is not None:
                 logger.info("gradients on nvme with the optimizer; rank 0 holds %s", tiled.gradients.manager.describe())
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
-        claim_model(self.module, self)
+        if self.stage3 is None:
+            claim_model(self.module, self, partitioned=False)
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.global_steps = 0
@@ -348,6 +360,7 @@ class Engine(nn.Module):
         """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
         zero = self.config.zero
         if zero.stage == 3:
+            claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
             make_shards = parameter_shards(
                 zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
             )

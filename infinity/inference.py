@@ -90,7 +90,8 @@ class InferenceEngine(Engine):
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         self._log_placement()
         weakref.finalize(self, _remove_hooks, None, self.stage3)  # a dropped engine lets go of the model
-        claim_model(self.module, self)
+        if self.stage3 is None:
+            claim_model(self.module, self, partitioned=False)
         self.training_dataloader = self._dataloader(training_data, collate_fn)
         self.global_steps = self.micro_steps = self.skipped_steps = 0
         self.last_grad_norm = None
@@ -104,6 +105,7 @@ class InferenceEngine(Engine):
         make_shards = parameter_shards(
             zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
         )
+        claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
         try:
             self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
