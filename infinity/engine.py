@@ -360,10 +360,10 @@ class Engine(nn.Module):
         """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
         zero = self.config.zero
         if zero.stage == 3:
-            claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
             make_shards = parameter_shards(
                 zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
             )
+            claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
             self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
                 make_shards=make_shards,
