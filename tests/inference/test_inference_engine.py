@@ -15,14 +15,7 @@ from infinity.memory.host import process_status_bytes
 from infinity.zero.units import UnitState
 from tests.inference.models import greedy, load_tiny_gpt2, save_tiny_gpt2, stage3_nvme_config
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As the distributed tests' processes: a tiny model runs faster on one thread than on two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

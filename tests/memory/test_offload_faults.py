@@ -68,14 +68,7 @@ def swap_files(nvme_path: Path) -> list[Path]:
     return sorted(Path(nvme_path).glob("infinity-*/rank*/swap"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as in the distributed tests' processes: on the 2-core test machine these tiny models
-    run ~50x slower with 2 threads (measured: 6 ms vs 300 ms per step without offload)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -13,14 +13,7 @@ from torch.optim import adam, sgd
 from infinity.errors import ConfigError
 from infinity.zero.tiles import SIMD_NUMEL, cut
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as in the engine's processes (and much faster for these small tensors here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def random_runs(seed: int) -> list[tuple[int, int, int, int]]:
