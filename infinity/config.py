@@ -21,6 +21,7 @@ from infinity.aio.handle import AioSettings
 from infinity.config_keys import (
     OFFLOAD_OPTIMIZER_NO_EFFECT,
     OFFLOAD_OPTIMIZER_REFUSED,
+    ZERO_FIELD_NAMES,
     ZERO_NO_EFFECT,
     ZERO_REFUSED,
     is_stage3_knob,
@@ -355,7 +356,9 @@ def _offload(cls, section: str, raw: Mapping[str, Any] | None, no_effect=None, r
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError(f"{section} must be an object, got {raw!r}")
     raw = dict(raw or {})
-    set_aside(section, raw, no_effect or {}, refused or {})
+    no_effect, refused = no_effect or {}, refused or {}
+    check_keys(section, raw, {*_fields(cls), *no_effect, *refused})
+    set_aside(section, raw, no_effect, refused)
     config = _typed_section(cls, section, raw)
     if config.device not in OFFLOAD_DEVICES:
         raise ConfigError(f"{section}.device must be one of {', '.join(OFFLOAD_DEVICES)}, got {config.device!r}")
@@ -399,6 +402,8 @@ def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
     if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError(f"zero_optimization must be an object, got {raw!r}")
     raw = dict(raw or {})
+    known = {*_fields(ZeroConfig), *ZERO_FIELD_NAMES, *ZERO_NO_EFFECT, *ZERO_REFUSED, *_ZERO_LEGACY}
+    check_keys("zero_optimization", raw, known)  # before any key is set aside: a typo's hint may be one of those
     set_aside("zero_optimization", raw, ZERO_NO_EFFECT, ZERO_REFUSED)
     raw = one_name_each("zero_optimization", raw)
     _legacy_zero(raw)

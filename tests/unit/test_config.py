@@ -95,6 +95,10 @@ def test_no_batch_size_at_all():
             config(zero_optimization={"zero_quantized_weights": True}),
             "zero_optimization.zero_quantized_weights=true is a DeepSpeed setting that infinity does not implement",
         ),
+        (
+            config(zero_optimization={"stage": 1, "offload_optimizer": {"fast_int": True}}),
+            "offload_optimizer.fast_int: did you mean fast_init?",  # a key accepted without effect is still a hint
+        ),
         (config(aio={"queue_depth": 0}), "aio.queue_depth must be between 1"),
         (config(fp16={"enabled": True, "loss_scale": -1}), "fp16.loss_scale must be 0 .dynamic. or positive"),
     ],
