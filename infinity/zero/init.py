@@ -314,9 +314,9 @@ class Init:
     holds both for a while.
 
     [Note: zero.Init arguments]
-    DeepSpeed's dtype default, when ``dtype`` is not given, is the config's fp16/bf16 (else fp16); here the
-    pieces keep the dtype the model builds them in, so a model built under Init equals the one built without
-    (initialize() casts to the compute dtype either way); pass ``dtype`` to build in 16 bits. The engine
+    DeepSpeed's dtype, when ``dtype`` is not given, is the config's (fp16, bf16, else fp32; fp16 without a
+    config); here the pieces keep the dtype the model builds them in, so a model built under Init equals the one
+    built without (initialize() casts to the compute dtype either way); pass ``dtype`` to build in 16 bits. The engine
     partitions over every rank (initialize() takes no group), so a ``data_parallel_group`` other than the whole
     world is refused here rather than by the engine later; so are model parallelism (``mpu``), hpZ's secondary
     group, quantized weights, another swapper and tensor-creation overrides. ``pin_memory`` and
