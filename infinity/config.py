@@ -18,6 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infinity.aio.handle import AioSettings
+from infinity.config_keys import (
+    OFFLOAD_OPTIMIZER_NO_EFFECT,
+    OFFLOAD_OPTIMIZER_REFUSED,
+    ZERO_FIELD_NAMES,
+    ZERO_NO_EFFECT,
+    ZERO_REFUSED,
+    is_stage3_knob,
+    one_name_each,
+    set_aside,
+    stage3_name,
+)
 from infinity.errors import ConfigError
 
 # ---- key-level helpers (shared by every section) ----
@@ -187,8 +198,6 @@ class OffloadOptimizerConfig:
     pin_memory: bool = False
     pipeline_read: bool = True  # DeepSpeed: false. Here reads ahead / writes behind unless turned off
     pipeline_write: bool = True
-    fast_init: bool = False
-    ratio: float = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -211,15 +220,14 @@ class OffloadParamConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
+    """The zero_optimization keys that act here (the README's table lists every DeepSpeed key). The stage-3
+    knobs keep their stage3_ names; DeepSpeed's field names for them are read as the same keys."""
+
     stage: int = 0
-    contiguous_gradients: bool = True
     overlap_comm: bool = False
     """Launch gradient reductions during backward. DeepSpeed's default is true for stage 3."""
-    reduce_scatter: bool = True
     reduce_bucket_size: int = 500_000_000
-    allgather_partitions: bool = True
     allgather_bucket_size: int = 500_000_000
-    round_robin_gradients: bool = False
     sub_group_size: int = 1_000_000_000
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
@@ -229,7 +237,6 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = 100_000
     stage3_model_persistence_threshold: int = 2**63 - 1
     stage3_gather_16bit_weights_on_model_save: bool = False
-    ignore_unused_parameters: bool = True
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,26 +306,11 @@ TOP_LEVEL = {
     "zero_optimization", "aio", "collective_timeout",
 } | OBSERVE_ONLY | NOT_IMPLEMENTED | ACCEPTED_NO_EFFECT  # fmt: skip
 
-_ZERO_NO_EFFECT = {
-    "memory_efficient_linear",
-    "load_from_fp32_weights",
-    "elastic_checkpoint",
-    "use_multi_rank_bucket_allreduce",
-    "log_trace_cache_warnings",
-    "legacy_stage1",
-}
-_ZERO_NOT_IMPLEMENTED = {
-    "zero_hpz_partition_size": 1,
-    "zero_quantized_weights": False,
-    "zero_quantized_gradients": False,
-    "zero_quantized_nontrainable_weights": False,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
-    "zeropp_loco_param": None,
-    "stage3_module_granularity_threshold": 0,
-}
+# DeepSpeed's deprecated zero_optimization keys, read with one deprecation warning each. cpu_offload_params is
+# what DeepSpeed's older releases called cpu_offload_param.
 _ZERO_LEGACY = {
     "cpu_offload",
+    "cpu_offload_param",
     "cpu_offload_params",
     "cpu_offload_use_pin_memory",
     "stage3_gather_fp16_weights_on_model_save",
@@ -360,8 +352,14 @@ def _typed_section(cls, section: str, raw: Mapping[str, Any], *, skip: set[str] 
     return cls(**kwargs)
 
 
-def _offload(cls, section: str, raw: Mapping[str, Any] | None):
-    config = _typed_section(cls, section, raw or {})
+def _offload(cls, section: str, raw: Mapping[str, Any] | None, no_effect=None, refused=None):
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"{section} must be an object, got {raw!r}")
+    raw = dict(raw or {})
+    no_effect, refused = no_effect or {}, refused or {}
+    check_keys(section, raw, {*_fields(cls), *no_effect, *refused})
+    set_aside(section, raw, no_effect, refused)
+    config = _typed_section(cls, section, raw)
     if config.device not in OFFLOAD_DEVICES:
         raise ConfigError(f"{section}.device must be one of {', '.join(OFFLOAD_DEVICES)}, got {config.device!r}")
     if config.device == "nvme" and not config.nvme_path:
@@ -371,47 +369,52 @@ def _offload(cls, section: str, raw: Mapping[str, Any] | None):
     return config
 
 
-def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
-    raw = dict(raw or {})
-    if not isinstance(raw, dict):
-        raise ConfigError(f"zero_optimization must be an object, got {raw!r}")
-    for key in _ZERO_NO_EFFECT & set(raw):
-        raw.pop(key)
-    for key, default in _ZERO_NOT_IMPLEMENTED.items():
-        if key in raw and raw.pop(key) not in (default, None):
+def _legacy_zero(raw: dict) -> None:
+    """DeepSpeed's deprecated keys, mapped onto the current ones; given together with the current key, as
+    DeepSpeed refuses it, an error (or for the gather flag, when the two disagree)."""
+    legacy = {key: raw.pop(key) for key in sorted(_ZERO_LEGACY) if key in raw}
+    for old, new, section in (("cpu_offload", "offload_optimizer.device", "offload_optimizer"),
+                              ("cpu_offload_param", "offload_param.device", "offload_param"),
+                              ("cpu_offload_params", "offload_param.device", "offload_param")):  # fmt: skip
+        if old not in legacy:
+            continue
+        warn_legacy(f"zero_optimization.{old}", f"zero_optimization.{new}")
+        if section in raw:
             raise ConfigError(
-                f"zero_optimization.{key} is a DeepSpeed setting that infinity does not implement; remove it"
+                f"zero_optimization.{old} (deprecated) and zero_optimization.{section} are both set; keep {section}"
             )
-    legacy = {}
-    for key in _ZERO_LEGACY:
-        if key in raw:
-            legacy[key] = raw.pop(key)
-    if "cpu_offload" in legacy:
-        warn_legacy("zero_optimization.cpu_offload", "zero_optimization.offload_optimizer.device")
-        if legacy["cpu_offload"] and "offload_optimizer" not in raw:
-            raw["offload_optimizer"] = {"device": "cpu"}
-    if "cpu_offload_params" in legacy:
-        warn_legacy("zero_optimization.cpu_offload_params", "zero_optimization.offload_param.device")
-        if legacy["cpu_offload_params"] and "offload_param" not in raw:
-            raw["offload_param"] = {"device": "cpu"}
+        if as_bool(f"zero_optimization.{old}", legacy[old]):
+            raw[section] = {"device": "cpu"}
     if "cpu_offload_use_pin_memory" in legacy:
         warn_legacy("zero_optimization.cpu_offload_use_pin_memory", "offload_optimizer/offload_param.pin_memory")
         for key in ("offload_optimizer", "offload_param"):
             if key in raw and "pin_memory" not in raw[key]:
                 raw[key] = {**raw[key], "pin_memory": bool(legacy["cpu_offload_use_pin_memory"])}
     if "stage3_gather_fp16_weights_on_model_save" in legacy:
-        warn_legacy(
-            "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-        )
-        raw.setdefault("stage3_gather_16bit_weights_on_model_save", legacy["stage3_gather_fp16_weights_on_model_save"])
+        old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
+        warn_legacy(f"zero_optimization.{old}", f"zero_optimization.{new}")
+        if new in raw and raw[new] != legacy[old]:
+            raise ConfigError(f"zero_optimization.{old} (deprecated) and zero_optimization.{new} disagree; keep {new}")
+        raw[new] = legacy[old]
+
+
+def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(f"zero_optimization must be an object, got {raw!r}")
+    raw = dict(raw or {})
+    known = {*_fields(ZeroConfig), *ZERO_FIELD_NAMES, *ZERO_NO_EFFECT, *ZERO_REFUSED, *_ZERO_LEGACY}
+    check_keys("zero_optimization", raw, known)  # before any key is set aside: a typo's hint may be one of those
+    set_aside("zero_optimization", raw, ZERO_NO_EFFECT, ZERO_REFUSED)
+    raw = one_name_each("zero_optimization", raw)
+    _legacy_zero(raw)
     stage = as_int("zero_optimization.stage", raw.get("stage", 0), minimum=0)
     if stage > 3:
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
     raw.setdefault("overlap_comm", stage == 3)
     offload_optimizer = _offload(
-        OffloadOptimizerConfig, "zero_optimization.offload_optimizer", raw.pop("offload_optimizer", None)
-    )
+        OffloadOptimizerConfig, "zero_optimization.offload_optimizer", raw.pop("offload_optimizer", None),
+        OFFLOAD_OPTIMIZER_NO_EFFECT, OFFLOAD_OPTIMIZER_REFUSED,
+    )  # fmt: skip
     offload_param = _offload(OffloadParamConfig, "zero_optimization.offload_param", raw.pop("offload_param", None))
     zero = _typed_section(ZeroConfig, "zero_optimization", raw)
     zero = dataclasses.replace(zero, offload_optimizer=offload_optimizer, offload_param=offload_param)
@@ -476,25 +479,64 @@ def resolve_batch_sizes(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Unfilled:
+    """An "auto" value nothing filled: its key, and what initialize() fills it from ("" when nothing does)."""
+
+    key: str
+    source: str = ""
+    note: str = ""
+
+
+class AutoError(ConfigError):
+    """Every "auto" value that could not be filled, in one error. ``unfilled`` lets a front end that is not
+    initialize() (`infinity train`) say what to set in its own terms."""
+
+    def __init__(self, unfilled: list[Unfilled]) -> None:
+        self.unfilled = tuple(unfilled)
+        groups: dict[tuple[str, str], list[str]] = {}
+        for item in self.unfilled:
+            groups.setdefault((item.source, item.note), []).append(item.key)
+        parts = []
+        for (source, note), keys in groups.items():
+            how = [note] if note else []
+            if source:
+                how.append(f"initialize() fills {'it' if len(keys) == 1 else 'them'} from {source}")
+            parts.append(", ".join(keys) + (f" ({'; '.join(how)})" if how else ""))
+        super().__init__('"auto" values with nothing to fill them (set each in the config): ' + "; ".join(parts))
+
+
+_HIDDEN_SIZE_RULES = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+CLIPPING_NOTE = "0 disables clipping; Hugging Face's default max_grad_norm is 1.0"
+
+
 def _fill_auto(raw: dict, auto: AutoValues) -> dict:
-    """Replace "auto" by values from initialize()'s arguments; an unresolvable one is an error naming it."""
+    """Replace "auto" by values from initialize()'s arguments; the ones left are one AutoError naming them all."""
     raw = json.loads(json.dumps(raw))  # deep copy; the caller's dict is never modified
+    unfilled: list[Unfilled] = []
 
-    def need(name: str, value):
+    def fill(node: dict, key: str, name: str, value, source: str, note: str = "") -> None:
         if value is None:
-            raise ConfigError(f'{name} is "auto" but initialize() was given nothing to fill it from; set a value')
-        return value
+            unfilled.append(Unfilled(name, source, note))
+        else:
+            node[key] = value
 
-    if raw.get("train_micro_batch_size_per_gpu") == AUTO and auto.micro_batch_size is not None:
-        raw["train_micro_batch_size_per_gpu"] = auto.micro_batch_size
+    if raw.get("train_micro_batch_size_per_gpu") == AUTO:
+        if auto.micro_batch_size is not None:
+            raw["train_micro_batch_size_per_gpu"] = auto.micro_batch_size
+        elif raw.get("train_batch_size") in (None, AUTO):  # else it follows from train_batch_size
+            source = "the batch_size of a DataLoader passed as training_data="
+            unfilled.append(Unfilled("train_micro_batch_size_per_gpu", source, "or set train_batch_size"))
     for section, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
         if isinstance(raw.get(section), dict) and raw[section].get("enabled") == AUTO:
-            raw[section]["enabled"] = need(f"{section}.enabled", auto.model_dtype) == dtype
+            enabled = None if auto.model_dtype is None else auto.model_dtype == dtype
+            fill(raw[section], "enabled", f"{section}.enabled", enabled, "the model's floating-point dtype")
     if raw.get("gradient_clipping") == AUTO:
-        raise ConfigError(
-            'gradient_clipping is "auto" but initialize() has nothing to fill it from; set a number '
-            "(0 disables clipping; Hugging Face's default max_grad_norm is 1.0)"
-        )
+        unfilled.append(Unfilled("gradient_clipping", "", CLIPPING_NOTE))
     optimizer = raw.get("optimizer")
     if isinstance(optimizer, dict) and isinstance(optimizer.get("params"), dict):
         params = optimizer["params"]
@@ -507,30 +549,31 @@ def _fill_auto(raw: dict, auto: AutoValues) -> dict:
         }
         for key, value in params.items():
             if value == AUTO:
-                params[key] = need(f"optimizer.params.{key}", sources.get(key))
+                source = "the param groups of a torch optimizer passed as optimizer=" if key in sources else ""
+                fill(params, key, f"optimizer.params.{key}", sources.get(key), source)
     scheduler = raw.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("params"), dict):
         params = scheduler["params"]
         for key, value in params.items():
             if value == AUTO:
-                params[key] = need(f"scheduler.params.{key}", auto.lr if key == "warmup_max_lr" else None)
+                peak = key == "warmup_max_lr"
+                fill(params, key, f"scheduler.params.{key}", auto.lr if peak else None,
+                     "the lr of a torch optimizer passed as optimizer=" if peak else "")  # fmt: skip
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict):
-        hidden = auto.hidden_size
-        rules = {
-            "reduce_bucket_size": lambda h: h * h,
-            "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-            "stage3_param_persistence_threshold": lambda h: 10 * h,
-        }
         below_stage3 = zero.get("stage", 0) != 3
         for key, value in list(zero.items()):
-            if value == AUTO:
-                if below_stage3 and key.startswith("stage3_"):
-                    del zero[key]  # as DeepSpeed: a stage-3 knob means nothing below stage 3, "auto" or not
-                    continue
-                if key not in rules:
-                    raise ConfigError(f'zero_optimization.{key} cannot be "auto"; set a value')
-                zero[key] = rules[key](need(f"zero_optimization.{key} (from the model's hidden size)", hidden))
+            if value != AUTO:
+                continue
+            if below_stage3 and is_stage3_knob(key):
+                del zero[key]  # as DeepSpeed: a stage-3 knob means nothing below stage 3, "auto" or not
+                continue
+            rule = _HIDDEN_SIZE_RULES.get(stage3_name(key))
+            hidden = auto.hidden_size
+            fill(zero, key, f"zero_optimization.{key}", None if rule is None or hidden is None else rule(hidden),
+                 "the model's config.hidden_size" if rule else "")  # fmt: skip
+    if unfilled:
+        raise AutoError(unfilled)
     return raw
 
 
@@ -572,11 +615,6 @@ def parse_config(
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = raw.get(key)
         batch[key] = None if value in (None, AUTO) else as_int(key, value, minimum=1)
-    if raw.get("train_micro_batch_size_per_gpu") == AUTO and batch["train_batch_size"] is None:
-        raise ConfigError(
-            'train_micro_batch_size_per_gpu is "auto" but neither training_data nor train_batch_size '
-            "gives it; set a value"
-        )
     train, micro, accumulation = resolve_batch_sizes(
         batch["train_batch_size"],
         batch["train_micro_batch_size_per_gpu"],

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from infinity.config import AUTO
+from infinity.config_keys import ZERO_FIELD_NAMES, is_stage3_knob
 from infinity.errors import ConfigError
 
 
@@ -106,6 +107,13 @@ HIDDEN_SIZE_KEYS = {
     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
 }
+# DeepSpeed also reads these two under their field names (prefetch_bucket_size, ...), which Transformers does not
+# fill: an "auto" there is filled as the stage3_ name is, not left for DeepSpeed to drop.
+HIDDEN_SIZE_KEYS |= {
+    f"zero_optimization.{name}": HIDDEN_SIZE_KEYS[f"zero_optimization.{alias}"]
+    for name, alias in ZERO_FIELD_NAMES.items()
+    if f"zero_optimization.{alias}" in HIDDEN_SIZE_KEYS
+}
 
 
 def hidden_size(model_config) -> int | None:
@@ -137,7 +145,7 @@ def fill_from_model(config: Mapping[str, Any], args, *, model_config, num_traini
                 f"{', '.join(autos)} cannot be \"auto\"; set numbers"
             )
         for key in autos:
-            if key.startswith("zero_optimization.stage3_") and not _is_stage3(filler.config):
+            if is_stage3_knob(key.removeprefix("zero_optimization.")) and not _is_stage3(filler.config):
                 continue  # as Transformers: left "auto" below stage 3, where nothing reads them
             filler.fill(key, HIDDEN_SIZE_KEYS[key](size))
     filler.fill("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")

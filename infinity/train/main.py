@@ -15,7 +15,7 @@ import signal
 import sys
 import tempfile
 
-from infinity.config import AutoValues, load_json, parse_config
+from infinity.config import AutoError, AutoValues, load_json, parse_config
 from infinity.errors import ConfigError, InfinityError
 from infinity.train import models
 from infinity.train.data import DataError, token_source
@@ -167,6 +167,30 @@ def _apply_micro_batch(config: dict, micro_batch: int | None) -> None:
         del config["gradient_accumulation_steps"]  # train_batch_size / (micro x world size), checked by the parse
 
 
+# "auto" keys a command-line option sets; the others are set in the config.
+AUTO_OPTIONS = {
+    "fp16.enabled": "--dtype (fp32, bf16 or fp16)",
+    "bf16.enabled": "--dtype (fp32, bf16 or fp16)",
+    "train_micro_batch_size_per_gpu": "--micro-batch N",
+}
+
+
+def _unfilled_auto(error: AutoError) -> str:
+    """The config's unfilled "auto" values, all at once, as what to pass or set (initialize() is not the
+    caller's to call here)."""
+    by_option: dict[str, list[str]] = {}
+    in_config = []
+    for item in error.unfilled:
+        if item.key in AUTO_OPTIONS:
+            by_option.setdefault(AUTO_OPTIONS[item.key], []).append(item.key)
+        else:
+            in_config.append(item.key + (f" ({item.note})" if item.note else ""))
+    parts = [f"pass {option} for {' and '.join(keys)}" for option, keys in by_option.items()]
+    if in_config:
+        parts.append(f"set {', '.join(in_config)} in the config")
+    return f'"auto" values {PROG} cannot fill: ' + "; ".join(parts)
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that builds nothing real: bad input fails here, in seconds, with the key or value named."""
     if args.steps < 1:
@@ -197,6 +221,8 @@ def plan(args: argparse.Namespace) -> Plan:
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
     try:
         parsed = parse_config(config, world_size=world_size, auto=AutoValues(hidden_size=hidden))
+    except AutoError as e:
+        raise UsageError(f"--config {args.config}: {_unfilled_auto(e)}") from None
     except ConfigError as e:
         raise UsageError(f"--config {args.config}: {e}") from None
     if args.micro_batch is not None:

@@ -46,6 +46,7 @@ from torch.utils import _pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio.handle import AioSettings
+from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
 from infinity.memory.host import return_freed_memory
 from infinity.zero import collectives
@@ -261,21 +262,92 @@ def _all_subclasses(cls: type) -> set[type]:
     return found
 
 
+INIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NO_EFFECT = {
+    "pin_memory": "the engine pins the pieces as offload_param.pin_memory says once initialize() takes them",
+    "mem_efficient_linear": "torch's own linear is used",
+}
+
+
+def _refuse_unsupported(**given) -> None:
+    """zero.Init's DeepSpeed arguments for what infinity does not implement: refused by name when set."""
+    why = {
+        "mpu": "model parallelism is not implemented: every rank is a data-parallel rank",
+        "zero_param_parallel_group": "hpZ's secondary partition group is not implemented",
+        "zero_quantized_weights": "quantized weights are not implemented",
+        "zero_quantized_nontrainable_weights": "quantized weights are not implemented",
+        "param_swapper": "the NVMe store is made from offload_param (config_dict_or_path)",
+        "tensor_overrides": "tensor creation is not overridden: parameters are cut as the model builds them",
+    }
+    for name, value in given.items():
+        if value not in (None, False):
+            raise ConfigError(f"zero.Init({name}=...) is not supported by infinity ({why[name]}); remove it")
+
+
+def _check_group(group) -> None:
+    """The engine partitions over every rank: a zero.Init group must be that one."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    size = dist.get_world_size(group) if world > 1 else 1
+    if size != world:
+        held = "does not hold this rank" if size < 0 else f"has {size} of the {world} ranks"
+        raise ConfigError(
+            f"zero.Init: data_parallel_group {held}, but infinity partitions over every rank (the engine's "
+            "data-parallel group is the whole world); pass None or the world group"
+        )
+
+
 class Init:
     """``with infinity.zero.Init(): model = MyModel()`` builds the model already partitioned.
 
-    Accepts DeepSpeed's arguments ``config`` / ``config_dict_or_path`` (offload_param and aio are read: with
-    offload_param on NVMe the pieces go there as they are cut), ``remote_device`` ("nvme" sends them to
-    offload_param.nvme_path of the config even if its device says otherwise; "cpu" or "none" keep them in
-    memory, on the compute device, whatever the config says; None follows the config) and ``enabled``; the
-    process group is the engine's (torchrun's environment, or one the caller made). The pieces on NVMe stay
-    there until initialize() has moved each into the engine's own swap files: the disk holds both for a while."""
+    DeepSpeed's arguments, each doing what DeepSpeed documents or refused by name ([Note: zero.Init arguments]):
+    ``config_dict_or_path`` (or ``config``; offload_param and aio are read: with offload_param on NVMe the pieces
+    go there as they are cut), ``remote_device`` ("nvme" sends them to offload_param.nvme_path of the config
+    even if its device says otherwise; "cpu" or "none" keep them in memory, on the compute device, whatever the
+    config says; None follows the config), ``enabled`` (False: the model is built normally), ``dtype`` (the
+    floating-point parameters are cut in it), ``module`` (an existing model is partitioned at once, its
+    weights rank 0's) and ``data_parallel_group`` (the group to partition over: every rank, as the engine's).
+    The pieces on NVMe stay there until initialize() has moved each into the engine's own swap files: the disk
+    holds both for a while.
 
-    def __init__(self, module=None, *, config=None, config_dict_or_path=None, remote_device=None,
-                 enabled: bool = True, **_ignored):  # fmt: skip
-        if module is not None:
-            raise ValueError("zero.Init(module=...) (partitioning an existing model) is not supported; build it inside")
+    [Note: zero.Init arguments]
+    DeepSpeed's dtype, when ``dtype`` is not given, is the config's (fp16, bf16, else fp32; fp16 without a
+    config); here the pieces keep the dtype the model builds them in, so a model built under Init equals the one
+    built without (initialize() casts to the compute dtype either way); pass ``dtype`` to build in 16 bits. The engine
+    partitions over every rank (initialize() takes no group), so a ``data_parallel_group`` other than the whole
+    world is refused here rather than by the engine later; so are model parallelism (``mpu``), hpZ's secondary
+    group, quantized weights, another swapper and tensor-creation overrides. ``pin_memory`` and
+    ``mem_efficient_linear`` are said to have no effect (the engine pins what offload_param.pin_memory says
+    once initialize() takes the pieces; torch's own linear is used).
+    """
+
+    def __init__(self, module: nn.Module | None = None, *, data_parallel_group=None, mem_efficient_linear=None,
+                 remote_device: str | None = None, pin_memory: bool | None = None, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype: torch.dtype | None = None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group=None,
+                 param_swapper=None, tensor_overrides=None):  # fmt: skip
+        _refuse_unsupported(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group,
+                            zero_quantized_weights=zero_quantized_weights,
+                            zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
+                            param_swapper=param_swapper, tensor_overrides=tensor_overrides)  # fmt: skip
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"zero.Init: enabled must be True or False, got {enabled!r}")
+        if dtype not in (None, *INIT_DTYPES):
+            raise ConfigError(f"zero.Init: dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+        if config is not None and config_dict_or_path is not None and config != config_dict_or_path:
+            raise ConfigError("zero.Init: config and config_dict_or_path are the same argument; give one")
+        if data_parallel_group is not None and sequence_data_parallel_group is not None:
+            raise ConfigError("zero.Init: data_parallel_group and sequence_data_parallel_group both given; give one")
+        for name, value in (("pin_memory", pin_memory), ("mem_efficient_linear", mem_efficient_linear)):
+            if value is not None:
+                say_no_effect(f"zero.Init({name}=)", _NO_EFFECT[name])
         self.enabled = enabled
+        self.dtype = dtype
+        _check_group(data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group)
         raw = config if config is not None else config_dict_or_path
         self._nvme = self._nvme_settings(raw, remote_device)
         self._swap: InitSwap | None = None
@@ -284,6 +356,28 @@ class Init:
         self._mode: _WholeOnUse | None = None
         self.comm: Comm | None = None
         self.device: torch.device | None = None
+        if module is not None and enabled:
+            self._partition_existing(module)
+
+    def _join(self) -> None:
+        """The process group, the compute device, and the NVMe store if the pieces go there."""
+        from infinity.distributed import compute_device, join_process_group
+
+        self.comm = join_process_group()
+        self.device = compute_device()
+        return_freed_memory()  # [Note: zero.Init memory]
+        if self._nvme is not None and self._swap is None:
+            self._swap = InitSwap(self._nvme, self.comm, self.device)
+
+    def _partition_existing(self, module: nn.Module) -> None:
+        """DeepSpeed's ``Init(module=model)``: a model already built is partitioned now, module by module (each
+        parameter's value is rank 0's, as when built under the context)."""
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"zero.Init: module must be a torch.nn.Module, got {type(module).__name__}")
+        self._join()
+        for submodule in module.modules():
+            self._partition_module(submodule)
+        self._swap = None  # the pieces keep it open until initialize() has taken them
 
     @staticmethod
     def _nvme_settings(raw, remote_device: str | None) -> InitNvme | None:
@@ -309,13 +403,7 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        from infinity.distributed import compute_device, join_process_group
-
-        self.comm = join_process_group()
-        self.device = compute_device()
-        return_freed_memory()  # [Note: zero.Init memory]
-        if self._nvme is not None and self._swap is None:
-            self._swap = InitSwap(self._nvme, self.comm, self.device)
+        self._join()
         for cls in _all_subclasses(nn.Module) | {nn.Module}:
             self._wrap(cls)
         self._originals[type] = nn.Module.__dict__.get("__init_subclass__")
@@ -369,6 +457,8 @@ class Init:
     def _partition_module(self, module: nn.Module) -> None:
         for param in module.__dict__.get("_parameters", {}).values():
             if param is not None and init_shard(param) is None:
+                if self.dtype is not None and param.is_floating_point():
+                    param.data = param.data.to(self.dtype)
                 _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap, module_of=module)
 
 

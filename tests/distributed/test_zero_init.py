@@ -145,8 +145,20 @@ def test_init_keeps_the_models_own_initialization(tmp_path, pieces):
 
 
 def _edit_with_modifier_rank(rank: int, world_size: int) -> dict:
-    with infinity.zero.Init():
+    import torch.distributed as dist
+
+    with infinity.zero.Init(data_parallel_group=dist.group.WORLD):  # the engine's group: as without the argument
         early = nn.Linear(4, 4)
+    refused = ""
+    try:
+        infinity.zero.Init(data_parallel_group=dist.new_group([0]))
+    except ConfigError as e:
+        refused = str(e)
+    torch.manual_seed(rank)
+    existing = nn.Linear(4, 2)  # each rank's own values: Init(module=) makes them rank 0's, as DeepSpeed does
+    infinity.zero.Init(module=existing)
+    with infinity.zero.GatheredParameters([existing.weight]):
+        existing_seen = existing.weight.detach().clone()
     with infinity.zero.GatheredParameters([early.weight], modifier_rank=1):
         early.weight.data.fill_(2.0 if rank == 1 else -1.0)
     with infinity.zero.GatheredParameters([early.weight]):
@@ -170,12 +182,19 @@ def _edit_with_modifier_rank(rank: int, world_size: int) -> dict:
         after_step = weight.detach().clone()
     own = {"masters": own_pieces(engine), "shard": own_pieces(engine, masters=False)}  # read without a gather
     engine.destroy()
-    return {"early": early_seen, "after_exit": after_exit, "after_step": after_step, "own": own}
+    return {"early": early_seen, "after_exit": after_exit, "after_step": after_step, "own": own, "refused": refused,
+            "existing": existing_seen}  # fmt: skip
 
 
 def test_gathered_parameters_modifier_rank_edits_reach_every_rank_and_the_masters(tmp_path):
+    """Also zero.Init's data_parallel_group (the world's accepted, another refused on every rank) and module=."""
     results = run_distributed(_edit_with_modifier_rank, 2, tmp_path, timeout_s=120)
-    for result in results:
+    torch.manual_seed(0)
+    rank0_weight = nn.Linear(4, 2).weight.detach()
+    for rank, result in enumerate(results):
+        held = "has 1 of the 2 ranks" if rank == 0 else "does not hold this rank"
+        assert f"zero.Init: data_parallel_group {held}" in result["refused"], result["refused"]
+        assert torch.equal(result["existing"], rank0_weight)
         assert torch.all(result["early"] == 2.0)
         assert torch.all(result["after_exit"] == 0.5)
         assert torch.all(result["after_step"] == 0.5)

@@ -107,3 +107,19 @@ def test_below_stage3_the_stage3_knobs_stay_auto_and_warmup_is_at_least_one(tmp_
     assert config["scheduler"]["params"]["warmup_num_steps"] == 1
     parsed = parse_config(config, world_size=1)  # nothing left to fill the stage-3 knobs from: dropped
     assert parsed.zero.stage == 2 and parsed.scheduler is not None
+
+
+def test_deepspeeds_field_names_are_filled_as_their_stage3_names(tmp_path):
+    """DeepSpeed reads prefetch_bucket_size as stage3_prefetch_bucket_size (and so on); an "auto" there is filled
+    from the model as the stage3_ name is (Transformers fills only that one)."""
+    config = json.loads(json.dumps(AUTO_CONFIG))
+    zero = config["zero_optimization"]
+    zero["prefetch_bucket_size"] = zero.pop("stage3_prefetch_bucket_size")
+    zero["param_persistence_threshold"] = zero.pop("stage3_param_persistence_threshold")
+    args = training_args(tmp_path)
+    config = fill_from_model(fill_from_training_args(config, args, world_size=1), args,
+                             model_config=gpt2_config(64), num_training_steps=50)  # fmt: skip
+    zero = config["zero_optimization"]
+    assert (zero["prefetch_bucket_size"], zero["param_persistence_threshold"]) == (int(0.9 * 64 * 64), 640)
+    parsed = parse_config(config, world_size=1).zero
+    assert (parsed.stage3_prefetch_bucket_size, parsed.stage3_param_persistence_threshold) == (int(0.9 * 64 * 64), 640)

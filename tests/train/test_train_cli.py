@@ -157,6 +157,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     batch.write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"},
                                  "zero_optimization": {"stage": 1}}))  # fmt: skip
     assert "not divisible" in _bad(capsys, "--config", str(batch), "--micro-batch", "3")
+    autos = tmp_path / "autos.json"  # every "auto" nothing fills, in one line, as what to pass or set
+    optimizer = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}
+    autos.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": "auto"},
+                                 "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "optimizer": optimizer}))
+    err = _bad(capsys, "--config", str(autos))
+    assert ("pass --micro-batch N for train_micro_batch_size_per_gpu; pass --dtype (fp32, bf16 or fp16) for "
+            "fp16.enabled and bf16.enabled; set gradient_clipping (0 disables clipping") in err, err
+    assert "optimizer.params.lr, optimizer.params.betas in the config" in err and "initialize()" not in err, err
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])

@@ -162,9 +162,39 @@ def test_save_16bit_model_below_stage3(tmp_path):
         assert error <= 2**-8, f"{name}: {float(error):.1e} from plain PyTorch"  # one bf16 rounding at most
 
 
-def test_zero_init_refuses_what_it_cannot_do(tmp_path):
-    with pytest.raises(ValueError, match="zero.Init\\(module=...\\)"):
-        infinity.zero.Init(module=mlp())
+def test_zero_init_arguments_do_what_deepspeed_documents_or_are_refused():
+    from infinity.errors import ConfigError
+    from infinity.zero.init import init_shard
+
+    torch.manual_seed(0)
+    built = mlp()
+    whole = {name: p.detach().clone() for name, p in built.named_parameters()}
+    infinity.zero.Init(module=built)  # an existing model, partitioned at once
+    assert all(p.numel() == 0 for p in built.parameters())
+    with infinity.zero.GatheredParameters(list(built.parameters())):
+        assert all(torch.equal(p, whole[name]) for name, p in built.named_parameters())
+    with infinity.zero.Init(enabled=False):
+        plain = torch.nn.Linear(8, 4)
+    assert plain.weight.shape == (4, 8) and init_shard(plain.weight) is None
+    torch.manual_seed(1)
+    reference = torch.nn.Linear(8, 4)
+    torch.manual_seed(1)
+    with infinity.zero.Init(dtype=torch.bfloat16):
+        layer = torch.nn.Linear(8, 4)
+    assert init_shard(layer.weight).dtype == torch.bfloat16
+    with infinity.zero.GatheredParameters([layer.weight]):
+        assert torch.equal(layer.weight, reference.weight.detach().to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="offload_param.nvme_path is not set"):  # config_dict_or_path is read
+        infinity.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    for kwargs, message in (({"mpu": object()}, r"zero.Init\(mpu=...\) is not supported"),
+                            ({"zero_quantized_weights": True}, r"zero.Init\(zero_quantized_weights=...\)"),
+                            ({"param_swapper": object()}, r"zero.Init\(param_swapper=...\)"),
+                            ({"dtype": torch.int8}, "dtype must be torch.float16"),
+                            ({"config": {}, "config_dict_or_path": {"aio": {}}}, "same argument")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            infinity.zero.Init(**kwargs)
+    with pytest.raises(TypeError, match="not_an_argument"):  # never silently ignored
+        infinity.zero.Init(not_an_argument=1)
 
 
 def test_zero_init_in_one_process_partitions_and_restores_torch():
