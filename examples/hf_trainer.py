@@ -11,7 +11,8 @@ the Trainer (its values "auto" or equal to the arguments') is taken as it is; co
 would contradict these arguments (an error, as with Transformers' DeepSpeed), bf16 on a CPU without bf16 units
 is tens of times slower, and its 100 warmup steps outlast a short run. The
 model is a small GPT-2 built from a GPT2Config (nothing to download), the data synthetic and learnable: each
-sequence counts up from a random token. Prints ``loss A -> B`` (the first logged loss and the last).
+sequence counts up from a random token. Prints the folder the model was saved in, then ``loss A -> B`` (the first
+logged loss and the last). Needs the `hf` extra (pip install -e ".[hf]").
 
     python examples/hf_trainer.py --steps 20
     torchrun --nproc_per_node 2 examples/hf_trainer.py --steps 20
@@ -25,9 +26,13 @@ import os
 import tempfile
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
-from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
+try:  # the `hf` extra: transformers with the Trainer, and accelerate
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
+except ImportError as e:
+    raise SystemExit(f'examples/hf_trainer.py needs the hf extra: pip install -e ".[hf]" ({e})') from None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB, SEQ = 256, 32
@@ -99,6 +104,7 @@ def main() -> int:
     trainer.save_model()  # model.safetensors + config.json: GPT2LMHeadModel.from_pretrained(output_dir) loads it
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
+        print(f"model saved in {output_dir} (GPT2LMHeadModel.from_pretrained loads it)", flush=True)
         print(f"{args.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     trainer.engine.destroy()  # collective: every rank calls it
     return 0

@@ -500,7 +500,11 @@ class Engine(nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         start = time.perf_counter()
-        self._window_loss += loss.detach().double()  # no sync here: read every steps_per_print steps
+        # The loss as the caller computed it (no sync here: read every steps_per_print steps). A caller that divided
+        # it by the accumulation steps itself (scale_wrt_gas off, as the Trainer does) gets it multiplied back, so
+        # the engine's line reports what the Trainer's does, as DeepSpeed's monitor does.
+        unscale = 1 if scale_wrt_gas else self.config.gradient_accumulation_steps
+        self._window_loss += loss.detach().double() * unscale
         self._window_micro_steps += 1
         scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale

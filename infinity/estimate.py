@@ -205,6 +205,9 @@ def _main(argv: list[str] | None) -> int:
     _apply_dtype(raw, args.dtype, notes)
     try:
         result, facts = plan_estimate(shape, raw, args)
+    except models.UnknownModelError as e:  # a config transformers cannot build as a causal LM
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"{PROG}: error: --config {args.config}: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ The checkpoint already stores each parameter whole, by name ([Note: zarr layout]
 consolidation is a copy: each array is streamed chunk by chunk into safetensors shards, never a whole tensor in
 memory (peak RSS is bounded by a chunk, 8 MiB, not by the model or its largest tensor). The output is what
 transformers reads: ``model.safetensors`` or, beyond ``max_shard_size``, ``model-0000k-of-0000n.safetensors``
-files, with ``model.safetensors.index.json`` either way. No infinity is needed to load it.
+files, with ``model.safetensors.index.json`` either way, and the model's ``config.json`` where the checkpoint has
+one, in its tag folder or beside it (``infinity train --save`` and the Trainer put it in the save folder), so that
+``from_pretrained(out_dir)`` loads it. No infinity is needed to load it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 
 import torch
 
@@ -24,6 +27,7 @@ from infinity.checkpoint.zarr_store import read_array_meta, read_range
 from infinity.errors import CheckpointError
 
 INDEX = "model.safetensors.index.json"
+MODEL_CONFIG = "config.json"  # a transformers model's config, as save_pretrained writes it
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
@@ -100,7 +104,19 @@ def to_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str
     with open(os.path.join(out_dir, INDEX), "w") as f:
         json.dump(index, f, indent=2)
     written.append(os.path.join(out_dir, INDEX))
+    config = model_config(folder)
+    if config is not None:
+        written.append(shutil.copyfile(config, os.path.join(out_dir, MODEL_CONFIG)))
     return written
+
+
+def model_config(folder: str) -> str | None:
+    """The model's config.json for a tag folder: in it, or in the save folder that holds it."""
+    for candidate in (folder, os.path.dirname(os.path.abspath(folder))):
+        path = os.path.join(candidate, MODEL_CONFIG)
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def describe(ckpt_dir: str | os.PathLike, tag: str | None = None, *, every_array: bool = False) -> str:

@@ -77,7 +77,7 @@ _LOCKLESS_GRACE_S = 60.0  # a folder without a lock file younger than this may b
 # flock is dropped by the kernel when its holder dies, however it dies (SIGKILL, OOM killer, power cut
 # of the process), so "the lock can be taken" means exactly "the run that made this folder is gone".
 # At open, a store looks at every infinity-*/rank*/ folder under nvme_path and removes those whose lock
-# it can take (one log line each); folders whose lock is held are left alone, so runs that share a disk
+# it can take (one log line for all of them); folders whose lock is held are left alone, so runs that share a disk
 # never touch each other's files, and two stores can only share a folder by sharing run id and rank (an
 # error). Whoever removes a folder holds its lock while doing so and unlinks the lock file last; whoever
 # takes a lock checks afterwards that the lock file at the path is still the file it locked (same inode),
@@ -440,25 +440,38 @@ def remove_stale_folders(nvme_path: str) -> list[str]:
     """Remove the rank folders under ``nvme_path`` left by runs that are gone; return their paths.
 
     A folder is stale when its lock can be taken (see [Note: swap folder lock]). Folders in use are left
-    alone. One log line per removed folder."""
-    removed = []
+    alone. One log line for all removed (a killed run leaves one folder per kind: parameters, gradients,
+    optimizer)."""
+    removed: dict[str, list[str]] = {}  # why -> folders
+    nbytes = 0
     try:
         runs = [e for e in os.scandir(nvme_path) if e.name.startswith(RUN_PREFIX) and e.is_dir(follow_symlinks=False)]
     except OSError:
-        return removed
+        return []
     for run in runs:
         try:
             ranks = [e for e in os.scandir(run.path) if _RANK_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
         except OSError:
             continue
         for rank in ranks:
-            if _remove_if_stale(rank.path):
-                removed.append(rank.path)
+            found = _remove_if_stale(rank.path)
+            if found is not None:
+                removed.setdefault(found[0], []).append(rank.path)
+                nbytes += found[1]
         _rmdir_quietly(run.path)  # empty: its last rank folder is gone
-    return removed
+    folders = [path for paths in removed.values() for path in paths]
+    if folders:
+        logger.warning(
+            "removed %d swap folder(s) (%s) of runs that are gone: %s",
+            len(folders),
+            _human(nbytes),
+            "; ".join(f"{', '.join(paths)} ({why})" for why, paths in removed.items()),
+        )
+    return folders
 
 
-def _remove_if_stale(rank_dir: str) -> bool:
+def _remove_if_stale(rank_dir: str) -> tuple[str, int] | None:
+    """Why the folder was stale and the bytes it held, once removed; None when it is left alone."""
     lock_path = os.path.join(rank_dir, LOCK_NAME)
     try:
         fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
@@ -466,26 +479,21 @@ def _remove_if_stale(rank_dir: str) -> bool:
         try:
             age = time.time() - os.stat(rank_dir).st_mtime
         except OSError:
-            return False
+            return None
         if age < _LOCKLESS_GRACE_S:
-            return False  # perhaps a store making its folder right now
+            return None  # perhaps a store making its folder right now
         nbytes = _folder_bytes(rank_dir)
         shutil.rmtree(rank_dir, ignore_errors=True)
-        logger.warning(
-            "removed swap folder %s (%s) of a run that died before locking it (no lock file)",
-            rank_dir,
-            _human(nbytes),
-        )
-        return True
+        return "no lock file: its run died before locking it", nbytes
     except OSError:
-        return False  # unreadable: not ours to judge
+        return None  # unreadable: not ours to judge
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            return False  # held: its run is alive (or flock is unsupported here: leave it be)
+            return None  # held: its run is alive (or flock is unsupported here: leave it be)
         if not _same_file(fd, lock_path):
-            return False  # removed or replaced while we were locking it
+            return None  # removed or replaced while we were locking it
         holder = _read_holder(fd)
         nbytes = _folder_bytes(rank_dir)
         for entry in os.scandir(rank_dir):
@@ -499,13 +507,7 @@ def _remove_if_stale(rank_dir: str) -> bool:
         _rmdir_quietly(rank_dir)
     finally:
         os.close(fd)
-    logger.warning(
-        "removed swap folder %s (%s) left by a run that is gone (%s): its lock was free",
-        rank_dir,
-        _human(nbytes),
-        holder,
-    )
-    return True
+    return f"{holder}: its lock was free", nbytes
 
 
 # ---- preallocation ----

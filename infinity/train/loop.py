@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import statistics
@@ -12,26 +13,19 @@ import time
 import torch
 
 import infinity
-from infinity.checkpoint.manifest import MANIFEST
+from infinity.checkpoint.consolidate import MODEL_CONFIG
 from infinity.errors import CheckpointError
 from infinity.memory.host import process_status_bytes
 from infinity.train import models
 from infinity.train.data import token_source
 from infinity.train.disk import DiskBusy
-from infinity.train.main import Plan
+from infinity.train.plan import Plan
 from infinity.train.progress import Progress, ProgressLogHandler, StepFigures
+from infinity.train.resume import checkpoint_and_tag
 from infinity.train.summary import Summary, io_totals
 from infinity.zero.collectives import all_reduce_mean
 
 logger = logging.getLogger("infinity")
-
-
-def _checkpoint_and_tag(resume: str) -> tuple[str, str | None]:
-    """--resume names a checkpoint folder (its `latest` tag) or one tag folder in it (it holds a manifest)."""
-    if os.path.isfile(os.path.join(resume, MANIFEST)):
-        resume = os.path.abspath(resume)
-        return os.path.dirname(resume), os.path.basename(resume)
-    return resume, None
 
 
 class Run:
@@ -87,7 +81,7 @@ class Run:
         engine = self._build()
         first_step = 0
         if args.resume is not None:
-            path, _ = engine.load_checkpoint(*_checkpoint_and_tag(args.resume))
+            path, _ = engine.load_checkpoint(*checkpoint_and_tag(args.resume))
             if path is None:
                 raise CheckpointError(f"--resume {args.resume!r}: no checkpoint there (no `latest` file)")
             first_step = engine.global_steps
@@ -145,6 +139,21 @@ class Run:
         return summary
 
     def _save(self, engine) -> None:
+        if self.plan.rank == 0:
+            _write_model_config(engine.module.config, self.args.save)
         engine.save_checkpoint(self.args.save)
         self.saved_to = os.path.join(os.path.abspath(self.args.save), f"global_step{engine.global_steps}")
         logger.info("checkpoint saved: %s", self.saved_to)
+
+
+def _write_model_config(config, save_dir: str) -> None:
+    """The model's config.json in the save folder, where `infinity ckpt to-fp32` finds it and copies it beside the
+    weights, so that from_pretrained loads them. Without training's use_cache=False (the loaded model gets the
+    model type's default); written whole or not at all."""
+    fields = json.loads(config.to_json_string())
+    fields.pop("use_cache", None)
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, MODEL_CONFIG)
+    with open(path + ".tmp", "w") as f:
+        json.dump(fields, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)

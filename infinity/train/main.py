@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -16,9 +15,10 @@ import sys
 import tempfile
 
 from infinity.config import AutoError, AutoValues, load_json, parse_config
-from infinity.errors import ConfigError, InfinityError
-from infinity.train import models
+from infinity.errors import CheckpointError, ConfigError, InfinityError
+from infinity.train import models, resume
 from infinity.train.data import DataError, token_source
+from infinity.train.plan import Plan
 
 EXIT_USAGE = 2
 PROG = "infinity train"
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, help="a DeepSpeed-style JSON config, e.g. configs/zero3-nvme.json")
     parser.add_argument("--model", default="gpt2-tiny",
-                        help=f"one of {', '.join(models.TRAIN_NAMES)}, or a transformers config .json")
+                        help=f"one of {models.named_models()} (parameters; built from the shape, nothing is "
+                        "downloaded), or the path of a transformers config .json")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps in all (a resumed run continues to it)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=None,
@@ -56,21 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data")
     parser.add_argument("--summary-json", default=None, help="also write the summary (every step's loss) as JSON")
     return parser  # fmt: skip
-
-
-@dataclasses.dataclass(kw_only=True)
-class Plan:
-    """Everything checked, before the model is built."""
-
-    args: argparse.Namespace
-    shape: models.ModelShape
-    config: dict  # the raw config with the command line's overrides applied
-    world_size: int
-    rank: int
-    notes: list[str]  # what the command changed, said once at the start
-    nvme_paths: list[str]
-    vocab_size: int  # the model config's (token ids must stay below it)
-    numel: int  # distinct parameters
 
 
 def _bf16_units() -> bool:
@@ -191,6 +177,16 @@ def _unfilled_auto(error: AutoError) -> str:
     return f'"auto" values {PROG} cannot fill: ' + "; ".join(parts)
 
 
+def _check_resume(path: str, steps: int) -> None:
+    try:
+        step = resume.saved_step(path)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if step is not None and step >= steps:
+        raise UsageError(f"--resume {path!r}: the checkpoint is already at step {step}, and --steps {steps} trains "
+                         f"no further: raise --steps above {step}")  # fmt: skip
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that builds nothing real: bad input fails here, in seconds, with the key or value named."""
     if args.steps < 1:
@@ -205,6 +201,8 @@ def plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--seed {args.seed}: between 0 and {2**31 - 1}")
     if args.resume is not None and not os.path.isdir(args.resume):
         raise UsageError(f"--resume {args.resume!r} is not a folder; give the folder --save wrote")
+    if args.resume is not None:
+        _check_resume(args.resume, args.steps)
     shape, hf_config, numel = _model(args)
     try:
         config = load_json(args.config)

@@ -126,6 +126,8 @@ class Summary:
                 waits += (f"; the disk was busy {self.disk_busy_s:.1f} s: {100 * hidden:.0f}% of it hidden behind "
                           "compute")  # fmt: skip
             lines.append(waits)
+        elif not self.losses:
+            lines.append("  NVMe traffic  none: no step ran")
         else:
             lines.append("  NVMe traffic  none: the config offloads nothing to NVMe")
         lines.append(f"  checkpoint    {self.checkpoint or 'none (pass --save DIR to keep one)'}")

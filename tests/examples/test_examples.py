@@ -5,6 +5,7 @@ learning rates are large enough that 3 steps lower the loss every time)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -44,13 +45,36 @@ def test_example_single_process(script, tmp_path):
         pytest.importorskip("transformers")
     if script == "hf_trainer.py":
         pytest.importorskip("accelerate")
-    extra = ["--output-dir", str(tmp_path / "out")] if script == "hf_trainer.py" else []
+    extra = []
+    if script == "hf_trainer.py":  # the engine's line every step, to compare with the Trainer's log
+        config = json.loads((ROOT / "configs" / "zero3.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "steps_per_print": 1}))
+        extra = ["--output-dir", str(tmp_path / "out"), "--config", str(tmp_path / "config.json")]
     done = run([sys.executable, str(EXAMPLES / script), "--steps", "3", *extra], cwd=tmp_path, timeout=120)
     assert_loss_fell(done)
-    if script == "hf_trainer.py":  # save_model wrote a folder from_pretrained loads
+    if script == "hf_trainer.py":  # save_model wrote a folder from_pretrained loads, and the example says where
         assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "config.json").is_file()
+        assert f"model saved in {tmp_path / 'out'} " in done.stdout, done.stdout[-3000:]
+        # the engine reports the loss the Trainer logs (4 significant digits), not the loss / accumulation steps
+        trainer = [float(x) for x in re.findall(r"'loss': '?([0-9.]+)", done.stdout)]
+        engine = [float(x) for x in re.findall(r"^\[infinity\] step \d+: loss (\S+)", done.stderr, re.M)]
+        assert len(trainer) == 3 and engine == pytest.approx(trainer, rel=1e-3), (trainer, engine)
     if script == "hf_causal_lm.py":  # steps_per_print 1: the engine's line, with no logging configured
         assert re.search(r"^\[infinity\] step 3: loss \d", done.stderr, re.M), done.stderr[-3000:]
+
+
+def test_hf_trainer_without_the_hf_extra_says_what_to_install(tmp_path):
+    """Without transformers (as without accelerate): one line naming the extra, no traceback."""
+    script = EXAMPLES / "hf_trainer.py"
+    code = ("import runpy, sys; sys.modules['transformers'] = None; sys.argv = [sys.argv[1], '--steps', '1']; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and 'pip install -e ".[hf]"' in done.stderr, (
+        done.stderr[-3000:]
+    )
 
 
 def test_mlp_example_under_torchrun(tmp_path):

@@ -239,20 +239,26 @@ def test_crashed_run_folder_is_removed_and_live_one_kept(tmp_path, handle, caplo
     live = spawn(tmp_path, "live", 'print("ready", flush=True); time.sleep(120)')
     try:
         wait_ready(live)  # before the crash: the live run's own open would remove the crashed folder
-        crashed = spawn(tmp_path, "crashed", "os.kill(os.getpid(), signal.SIGKILL)")  # no cleanup at all
+        # a run's folders, one per kind as an engine makes them; then no cleanup at all
+        crashed = spawn(tmp_path, "crashed", """
+            others = [NvmeStore(sys.argv[1], handle=AioHandle(), run_id=f"{sys.argv[2]}-{kind}",
+                                segments=[("s", 4096)]).open() for kind in ("params", "gradients")]
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)  # fmt: skip
         assert crashed.wait(timeout=60) == -signal.SIGKILL
-        crashed_folder = tmp_path / "infinity-crashed" / "rank0"
-        assert sorted(os.listdir(crashed_folder)) == ["lock", "swap"]
+        crashed_folders = [tmp_path / f"infinity-crashed{kind}" / "rank0" for kind in ("", "-params", "-gradients")]
+        for folder in crashed_folders:
+            assert sorted(os.listdir(folder)) == ["lock", "swap"]
         live_files = tree(tmp_path / "infinity-live")
         with caplog.at_level(logging.WARNING, logger="infinity"), NvmeStore(tmp_path, handle=handle, run_id="mine"):
-            assert not (tmp_path / "infinity-crashed").exists()
+            assert not any(folder.parent.exists() for folder in crashed_folders)
             assert tree(tmp_path / "infinity-live") == live_files == ["rank0", "rank0/lock", "rank0/swap"]
             with pytest.raises(ConfigError, match=rf"in use by a live process \(pid {live.pid} on host"):
                 NvmeStore(tmp_path, handle=handle, run_id="live").open()  # same run id and rank: refused
             assert tree(tmp_path / "infinity-live") == live_files  # and untouched
         lines = [r.getMessage() for r in caplog.records if r.name == "infinity"]
-        assert len(lines) == 1, lines
-        assert str(crashed_folder) in lines[0] and f"pid {crashed.pid}" in lines[0]
+        assert len(lines) == 1, lines  # one line for the run's three folders
+        assert all(str(folder) in lines[0] for folder in crashed_folders) and f"pid {crashed.pid}" in lines[0]
     finally:
         live.kill()
         live.wait()

@@ -61,3 +61,11 @@ def test_bad_input(argv, message, capsys):
     assert estimate_cli.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_config_that_is_not_a_causal_lm(tmp_path, capsys):
+    t5 = tmp_path / "t5.json"
+    t5.write_text('{"model_type": "t5", "d_model": 64, "num_layers": 1, "num_heads": 2, "d_ff": 128}')
+    assert estimate_cli.main(["--config", os.path.join(REPO, "configs", "zero2.json"), "--model", str(t5)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model type 't5' is not a causal language model" in err and len(err) < 300, err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def _swap_left(folder: str) -> list[str]:
     return [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
 
 
-def test_trains_saves_and_resumes_exactly(tmp_path):
+def test_trains_saves_and_resumes_exactly(tmp_path, capsys):
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"
     whole = _train(["--steps", "4", "--nvme-path", str(swap), "--save", str(ckpt), "--save-every", "2",
                     "--summary-json", str(tmp_path / "whole.json")])  # fmt: skip
@@ -50,6 +51,8 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "global_step4" and os.path.isdir(ckpt / "global_step2")
     _estimate_within_15_percent(json.loads((tmp_path / "whole.json").read_text()))
 
+    _converts_for_from_pretrained(ckpt, tmp_path / "fp32")
+
     resumed = _train(["--steps", "4", "--nvme-path", str(swap), "--resume", str(ckpt / "global_step2"),
                       "--summary-json", str(tmp_path / "resumed.json")])  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -57,6 +60,25 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert after["first_step"] == 2
     assert after["losses"] == losses[2:]  # the same batches and states: the same losses, bit for bit
     assert _swap_left(str(swap)) == []
+    # --steps the checkpoint has reached: refused before anything is built, not a summary of no steps
+    capsys.readouterr()  # from_pretrained's progress bar
+    message = _bad(capsys, "--config", NVME_CONFIG, *SMALL, "--steps", "4", "--nvme-path", str(swap), "--resume",
+                   str(ckpt))  # fmt: skip
+    assert "already at step 4" in message and "raise --steps above 4" in message, message
+
+
+def _converts_for_from_pretrained(ckpt: Path, out: Path) -> None:
+    """`infinity ckpt to-fp32` of a --save folder gives a folder from_pretrained loads: the weights and the model's
+    config.json, which --save keeps beside the tags."""
+    from transformers import AutoModelForCausalLM
+
+    from infinity.checkpoint.consolidate import to_fp32
+
+    written = to_fp32(ckpt, out)
+    assert str(out / "config.json") in written
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 4 and model.config.use_cache
 
 
 def _estimate_within_15_percent(measured: dict) -> None:
@@ -128,7 +150,16 @@ def _bad(capsys, *argv: str) -> str:
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
-    assert "--model 'gpt5'" in _bad(capsys, "--config", NVME_CONFIG, "--model", "gpt5")
+    from infinity.train import models
+
+    unknown = _bad(capsys, "--config", NVME_CONFIG, "--model", "gpt5")
+    assert "--model 'gpt5'" in unknown and all(f"{name} (" in unknown for name in models.CATALOG), unknown
+    t5 = tmp_path / "t5.json"  # a transformers config, but not of a causal LM: one short line, not every class
+    t5.write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 1, "num_heads": 2, "d_ff": 128}))
+    message = _bad(capsys, "--config", NVME_CONFIG, "--model", str(t5))
+    assert "model type 't5' is not a causal language model" in message and len(message) < 300, message
+    assert "no `latest` file" in _bad(capsys, "--config", NVME_CONFIG, "--resume", str(tmp_path),
+                                      "--nvme-path", str(tmp_path / "swap"))  # fmt: skip
     assert "does not exist" in _bad(capsys, "--config", str(tmp_path / "missing.json"))
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimzer": {"type": "AdamW"}}))
@@ -167,9 +198,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "optimizer.params.lr, optimizer.params.betas in the config" in err and "initialize()" not in err, err
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_named_models_build_on_meta(name):
+def test_every_named_model_builds_on_meta_and_is_listed(capsys, monkeypatch):
+    """--help and the README list exactly the names --model accepts, each with its parameter count."""
     from infinity.train import models
 
-    assert 1e6 < models.count_parameters(models.CATALOG[name]) < 1e7
+    for shape in models.CATALOG.values():
+        assert models.count_parameters(shape) == shape.numel, shape.name
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: argparse wraps at hyphens
+    with pytest.raises(SystemExit):
+        train_main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert models.named_models() in help_text, help_text
+    readme = Path(REPO, "README.md").read_text()
+    (line,) = [para for para in readme.split("\n- ") if para.startswith("`--model`:")]
+    listed = re.findall(r"`([a-z0-9]+-[a-z0-9]+)`\s+\(([0-9.]+[MB])", line)
+    assert listed == [(s.name, models._size(s.numel)) for s in models.CATALOG.values()], listed
 
