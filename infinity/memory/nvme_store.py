@@ -136,17 +136,6 @@ class SwapLayout:
     def __iter__(self) -> Iterator[Segment]:
         return iter(self.segments)
 
-    def appended(self, name: str, nbytes: int) -> SwapLayout:
-        """This layout with one more segment at its end (an open store growing: ``NvmeStore.append``)."""
-        _check_segment(name, nbytes)
-        if name in self._index:
-            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
-        segment = Segment(name, self.total_bytes, nbytes)
-        grown = object.__new__(SwapLayout)
-        object.__setattr__(grown, "segments", (*self.segments, segment))
-        object.__setattr__(grown, "_index", {**self._index, name: segment})  # copies at C speed, no re-check
-        return grown
-
     def __len__(self) -> int:
         return len(self.segments)
 
@@ -392,7 +381,9 @@ class NvmeStore:
         self.checksum = checksum
         self._handle = handle
         self._files = SwapFolder(self.nvme_path, run_id, rank)
-        self._layout: SwapLayout | None = None
+        # fixed at open, then grown in place by append() (zero.Init: one segment per parameter, so never copied)
+        self._segments: dict[str, Segment] | None = None
+        self._end = 0  # the swap file's size once open: the end of the last segment's padding
         self._closed = False
         self._sizes: dict[str, int] = {}
         self._next_offset = 0
@@ -418,12 +409,15 @@ class NvmeStore:
 
     @property
     def layout(self) -> SwapLayout:
-        """The segments' places; fixed at open (before, what open would use)."""
-        return self._layout if self._layout is not None else SwapLayout.from_sizes(self._sizes.items())
+        """The segments' places now (a snapshot; before open, what open would use). It is built from every
+        segment: for inspection, not for a loop that appends."""
+        if self._segments is None:
+            return SwapLayout.from_sizes(self._sizes.items())
+        return SwapLayout(tuple(self._segments.values()))
 
     @property
     def is_open(self) -> bool:
-        return self._layout is not None and not self._closed
+        return self._segments is not None and not self._closed
 
     @property
     def stats(self) -> StoreStats:
@@ -433,7 +427,7 @@ class NvmeStore:
     # ---- setting up ----
     def add(self, name: str, nbytes: int) -> Segment:
         """Declare a segment of ``nbytes`` bytes. Only before open(): the layout is fixed then."""
-        if self._layout is not None or self._closed:
+        if self._segments is not None or self._closed:
             raise ConfigError(f"swap segment {name!r}: segments can only be added before the store is opened")
         _check_segment(name, nbytes)
         if name in self._sizes:
@@ -448,7 +442,7 @@ class NvmeStore:
         and preallocate the swap file. Nothing is written before the checks pass."""
         if self._closed:
             raise ConfigError(f"the swap store at {self.folder!r} is closed; make a new NvmeStore")
-        if self._layout is not None:
+        if self._segments is not None:
             raise ConfigError(f"the swap store at {self.folder!r} is already open")
         check_nvme_path(self.nvme_path)
         remove_stale_folders(self.nvme_path)
@@ -470,7 +464,8 @@ class NvmeStore:
         except BaseException:
             files.remove()
             raise
-        self._layout = layout
+        self._segments = {segment.name: segment for segment in layout}
+        self._end = layout.total_bytes
         self._finalizer = weakref.finalize(self, files.remove)  # also runs at interpreter exit (atexit)
         files.guard()
         return self
@@ -480,8 +475,10 @@ class NvmeStore:
         its module is built, before anyone knows the whole model). Its space is checked and reserved now."""
         if not self.is_open:
             raise ConfigError(f"swap segment {name!r}: append() needs an open store (add() before open())")
-        layout = self._layout.appended(name, nbytes)
-        segment = layout[name]
+        _check_segment(name, nbytes)
+        if name in self._segments:
+            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
+        segment = Segment(name, self._end, nbytes)
         free = _free_bytes(self.nvme_path)
         if segment.padded_nbytes > free:
             raise TierBudgetError(
@@ -490,7 +487,8 @@ class NvmeStore:
                 "larger disk, or offload less to NVMe"
             )
         _preallocate(self._files.swap.buffered_fd, segment.padded_nbytes, self.swap_path, offset=segment.offset)
-        self._layout = layout
+        self._segments[name] = segment  # in place: appending P segments costs O(P), not O(P^2)
+        self._end = segment.end
         self._sizes[name] = nbytes
         return segment
 
@@ -538,10 +536,10 @@ class NvmeStore:
             state = "closed" if self._closed else "not open yet (call open())"
             raise ConfigError(f"swap segment {name!r}: the swap store at {self.folder!r} is {state}")
         try:
-            segment = self._layout[name]
+            segment = self._segments[name]
         except KeyError:
-            known = ", ".join(repr(s.name) for s in list(self._layout)[:5])
-            more = f" and {len(self._layout) - 5} more" if len(self._layout) > 5 else ""
+            known = ", ".join(repr(n) for n in itertools.islice(self._segments, 5))
+            more = f" and {len(self._segments) - 5} more" if len(self._segments) > 5 else ""
             raise ConfigError(
                 f"no swap segment {name!r} in the store at {self.folder!r} (it has {known or 'none'}{more}); "
                 "add every segment before open()"
@@ -560,7 +558,7 @@ class NvmeStore:
         """Fail loudly, naming the file, rather than read short or read someone else's bytes. The reads go
         through the descriptors opened at open(), which keep reading an unlinked or replaced file: so the
         path is checked against them here."""
-        path, expected = self.swap_path, self._layout.total_bytes
+        path, expected = self.swap_path, self._end
         try:
             on_disk = os.stat(path)
         except FileNotFoundError:
@@ -609,7 +607,7 @@ class NvmeStore:
             self._files.remove()
 
     def __enter__(self) -> NvmeStore:
-        if self._layout is None:
+        if self._segments is None:
             self.open()
         return self
 
