@@ -11,7 +11,11 @@ A segment is a flat tensor of training state that can move: one optimizer tile's
   and acquiring a segment whose write is still in flight waits for that write and takes its buffer as it is
   (the bytes are there; no read): so a read never overtakes the write of the same segment.
 Callers ``acquire(name)`` a handle, ``wait()`` for its tensor and ``release(handle, dirty=...)`` it; they never
-branch on the tier. Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
+branch on the tier. An NVMe segment has one holder at a time: acquiring it again before its handle is released is
+a SegmentHeldError (two handles would be two copies in two ring buffers, and the last one released dirty would
+overwrite the other's changes on disk). A DEVICE or HOST segment's handle is its home tensor itself, so any number
+may be out at once (a kept parameter piece, a master lent to the user's optimizer for the engine's life).
+Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
 allocated once at open: host memory stays flat across steps. A segment larger than a ring buffer moves with
 ``read_into`` / ``write_from`` from the caller's own tensor; ``write_from(block=False)`` (a loose write) keeps that
 tensor alive until the write lands, and loose writes in flight hold at most the ring's bytes (one write when a
@@ -34,10 +38,14 @@ import torch
 
 from infinity.aio.buffers import HostBuffer, allocate_host_buffer
 from infinity.aio.handle import AioHandle
-from infinity.errors import ConfigError, TierBudgetError
+from infinity.errors import ConfigError, InfinityError, TierBudgetError
 from infinity.memory.nvme_store import NvmeStore, SegmentRequest, _human
 
 logger = logging.getLogger("infinity")
+
+
+class SegmentHeldError(InfinityError, RuntimeError):
+    """An NVMe segment was acquired while a handle on it was still held (a bug in the caller)."""
 
 
 class Tier(enum.Enum):
@@ -220,6 +228,7 @@ class TierManager:
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
+        self._check_not_held(name, "acquiring it again")
         self.reap_loose_writes()
         if name in self._loose_writes:
             self.settle(name)
@@ -263,6 +272,7 @@ class TierManager:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
         spec = self._specs[name]
+        self._check_not_held(name, "reading it")
         self.reap_loose_writes()
         self.settle(name)
         self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
@@ -272,6 +282,7 @@ class TierManager:
         who must not change ``values`` until ``settle(name)`` or ``flush()`` (a later read or write of the segment
         waits); loose writes in flight hold at most the ring's bytes (or one write), the oldest waited for first."""
         spec = self._specs[name]
+        self._check_not_held(name, "writing it")
         self.settle(name)
         self.reap_loose_writes()
         values = values.contiguous()
@@ -284,6 +295,13 @@ class TierManager:
             self._wait(request, "nvme_write", spec.nbytes)
         else:
             self._loose_writes[name] = (request, values)  # values kept alive until it lands
+
+    def _check_not_held(self, name: str, doing: str) -> None:
+        if name in self._held:
+            raise SegmentHeldError(
+                f"NVMe segment {name!r} of {self.owner} is held (acquired, not released): release its handle before "
+                f"{doing}; two copies of one segment would overwrite each other's changes"
+            )
 
     def _loose_bytes(self) -> int:
         return sum(self._specs[name].nbytes for name in self._loose_writes)
