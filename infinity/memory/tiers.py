@@ -21,7 +21,8 @@ allocated once at open: host memory stays flat across steps. A segment larger th
 tensor alive until the write lands, and loose writes in flight hold at most the ring's bytes (one write when a
 single segment is larger), so the caller's tensors stay within the same budget.
 
-Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting.
+Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting; of
+them, those of outsized segments (moved with read_into / write_from, around the ring).
 ``window()`` gives the totals since the last call, for the per-step report line.
 """
 
@@ -82,6 +83,8 @@ class TierStats:
     """Totals per direction, and bytes held per tier."""
 
     traffic: dict[str, Traffic] = field(default_factory=lambda: {d: Traffic() for d in DIRECTIONS})
+    # of the traffic, that of segments larger than a ring buffer (read on demand into the caller's tensor)
+    outsized: dict[str, Traffic] = field(default_factory=lambda: {d: Traffic() for d in DIRECTIONS})
     held_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes of segments whose home it is
     staging_bytes: int = 0  # the ring of host buffers for NVMe segments
 
@@ -89,6 +92,8 @@ class TierStats:
         return {
             "traffic": {d: {"bytes": t.bytes, "requests": t.requests, "blocked_s": t.blocked_s}
                         for d, t in self.traffic.items()},
+            "outsized": {d: {"bytes": t.bytes, "requests": t.requests, "blocked_s": t.blocked_s}
+                         for d, t in self.outsized.items()},
             "held_bytes": dict(self.held_bytes),
             "staging_bytes": self.staging_bytes,
         }  # fmt: skip
@@ -177,6 +182,7 @@ class TierManager:
         self._loose_writes: dict[str, tuple[SegmentRequest, torch.Tensor]] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
+        self._outsized = {d: Traffic() for d in DIRECTIONS}
         self._open = False
 
     # ---- setting up ----
@@ -275,7 +281,7 @@ class TierManager:
         self._check_not_held(name, "reading it")
         self.reap_loose_writes()
         self.settle(name)
-        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
+        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes, outsized=not self.fits(name))
 
     def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
         """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller (a loose write),
@@ -292,7 +298,7 @@ class TierManager:
                 self.settle(next(iter(self._loose_writes)))
         request = self.store.write(name, values)
         if block:
-            self._wait(request, "nvme_write", spec.nbytes)
+            self._wait(request, "nvme_write", spec.nbytes, outsized=not self.fits(name))
         else:
             self._loose_writes[name] = (request, values)  # values kept alive until it lands
 
@@ -319,7 +325,7 @@ class TierManager:
             self._finish_write(pending)
         loose = self._loose_writes.pop(name, None)
         if loose is not None:
-            self._wait(loose[0], "nvme_write", self._specs[name].nbytes)
+            self._wait(loose[0], "nvme_write", self._specs[name].nbytes, outsized=not self.fits(name))
 
     def flush(self) -> None:
         """Waits for every write in flight."""
@@ -352,12 +358,14 @@ class TierManager:
         slot.writing = None
         self._wait(request, "nvme_write", slot.write_bytes)
 
-    def _wait(self, request: SegmentRequest, direction: str, nbytes: int) -> None:
+    def _wait(self, request: SegmentRequest, direction: str, nbytes: int, *, outsized: bool = False) -> None:
         start = time.perf_counter()
         request.wait()
         moved = Traffic(nbytes, 1, time.perf_counter() - start)
         self._traffic[direction].add(moved)
         self._window[direction].add(moved)
+        if outsized:
+            self._outsized[direction].add(moved)
 
     def residency(self, name: str) -> Residency:
         """Where the segment's newest bytes are: in memory (RESIDENT), moving (IN_FLIGHT), or only on NVMe."""
@@ -376,6 +384,7 @@ class TierManager:
             held[spec.home.value] = held.get(spec.home.value, 0) + spec.nbytes
         return TierStats(
             traffic={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._traffic.items()},
+            outsized={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._outsized.items()},
             held_bytes=held,
             staging_bytes=sum(slot.buffer.nbytes for slot in self._ring),
         )

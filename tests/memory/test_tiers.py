@@ -282,6 +282,33 @@ def test_stats_count_the_bytes_moved(tmp_path):
         manager.close()
 
 
+
+def test_outsized_traffic_is_counted_apart(tmp_path):
+    """Segments larger than a ring buffer move around the ring (read_into / write_from): their traffic is in the
+    totals and, apart, under ``outsized``, so a caller can tell that path was taken."""
+    manager = nvme_manager(tmp_path, buffer_count=2)
+    manager.add("small", 1000, Tier.NVME)
+    manager.add("big", 3000, Tier.NVME)
+    manager.buffer_bytes = 4000  # "small" fits a ring buffer, "big" does not
+    manager.open()
+    try:
+        assert manager.fits("small") and not manager.fits("big")
+        for name, numel in (("small", 1000), ("big", 3000)):
+            manager.write_from(name, values(numel, 1))
+            out = torch.empty(numel)
+            manager.read_into(name, out)
+            assert torch.equal(out, values(numel, 1))
+        manager.write_from("big", values(3000, 2), block=False)
+        manager.flush()
+        stats = manager.stats()
+        outsized = {d: (t.bytes, t.requests) for d, t in stats.outsized.items()}
+        assert outsized == {"nvme_read": (12000, 1), "nvme_write": (24000, 2)}
+        assert (stats.traffic["nvme_read"].requests, stats.traffic["nvme_write"].requests) == (2, 3)
+        assert stats.as_dict()["outsized"]["nvme_write"]["requests"] == 2
+    finally:
+        manager.close()
+
+
 def test_close_removes_the_files_and_is_idempotent(tmp_path):
     manager = nvme_manager(tmp_path)
     manager.add("a", 1000, Tier.NVME)
