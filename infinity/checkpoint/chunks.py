@@ -80,7 +80,7 @@ class ChunkWriter:
     specs: dict[str, ArraySpec]
     comm: Comm
     io: ChunkIO
-    written: list[str] = field(default_factory=list)  # this rank's files, for fsync
+    written: list[str] = field(default_factory=list)  # this rank's files: for fsync, and removal if the save fails
     bytes_written: int = 0
     _partial: dict[tuple[str, int], _Partial] = field(default_factory=dict)
     _outgoing: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
@@ -117,8 +117,8 @@ class ChunkWriter:
     def _write(self, key: str, meta: ArrayMeta, chunk: int, values: torch.Tensor) -> None:
         check_chunk_values(key, meta, chunk, values)
         path = chunk_path(self.root, key, meta, chunk)
+        self.written.append(path)  # before the write: a failed save removes the file it was making too
         self.io.write(path, values, meta.chunk_bytes)
-        self.written.append(path)
         self.bytes_written += meta.chunk_bytes
 
     def drain(self) -> None:

@@ -43,13 +43,31 @@ def parse_size(text: str | int) -> int:
 
 
 def tag_folder(ckpt_dir: str | os.PathLike, tag: str | None) -> str:
+    """The folder of a complete tag (one with a manifest): ``tag``, or the one `latest` names; else an error that
+    says what the folder holds."""
     ckpt_dir = os.fspath(ckpt_dir)
     if os.path.exists(os.path.join(ckpt_dir, MANIFEST)):  # a tag folder itself
         return ckpt_dir
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir} is not a folder: pass the save_dir given to save_checkpoint (or a tag's "
+                              "folder in it)")  # fmt: skip
+    complete = tags(ckpt_dir)
+    if not complete:
+        unfinished = sorted(n for n in os.listdir(ckpt_dir) if n.endswith(".tmp")
+                            and os.path.isdir(os.path.join(ckpt_dir, n)))  # fmt: skip
+        detail = (f"; {', '.join(unfinished)}: saves that never finished (killed, or failed), nothing in them loads"
+                  if unfinished else "")  # fmt: skip
+        raise CheckpointError(f"{ckpt_dir} holds no complete checkpoint (no tag folder with a {MANIFEST}){detail}")
     resolved = resolve_tag(ckpt_dir, tag)
     if resolved is None:
-        raise CheckpointError(f"{ckpt_dir} has no `{LATEST}` file; pass --tag (tags: {', '.join(tags(ckpt_dir))})")
-    return os.path.join(ckpt_dir, resolved)
+        raise CheckpointError(f"{ckpt_dir} has no `{LATEST}` file; pass --tag (complete tags: {', '.join(complete)})")
+    folder = os.path.join(ckpt_dir, resolved)
+    if not os.path.exists(os.path.join(folder, MANIFEST)):
+        named = f"tag {resolved!r}" + (f" (named by `{LATEST}`)" if tag is None else "")
+        why = "its save never finished" if os.path.isdir(folder) else "no such folder"
+        raise CheckpointError(f"{ckpt_dir}: {named} is not a complete checkpoint ({why}); complete tags: "
+                              f"{', '.join(complete)}")  # fmt: skip
+    return folder
 
 
 def tags(ckpt_dir: str) -> list[str]:

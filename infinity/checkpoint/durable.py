@@ -48,12 +48,23 @@ def write_durably(path: str, text: str) -> None:
     """``path`` <- text, atomically: a temporary file, fsynced, renamed over it, the folder fsynced."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk: the old file stays, and no half-written one beside it
+        raise
     fsync_path(folder)
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 RENAME_EXCHANGE = 2  # renameat2's flag (Linux >= 3.15): swap two paths atomically

@@ -7,10 +7,17 @@ rank makes its files durable (syncfs), the ranks meet, rank 0 writes the manifes
 ``<save_dir>/<tag>`` and then replaces ``latest`` atomically (a temporary file, fsynced, renamed). A process killed
 at any point leaves the previous tags and ``latest`` as they were: a tag folder without a manifest, or named
 ``.tmp``, is never loaded.
+
+A save that fails (a full disk, a file-size limit, any rank's error: every rank raises) removes what it wrote
+before raising: each rank its own files, rank 0 the ``.tmp`` folder (write_durably removes its own temporary
+file). The previous tags and ``latest`` are untouched, so the last good checkpoint still loads, and the disk gets
+back the space the failed save took. The error names the tag's folder, the bytes the checkpoint takes and the
+bytes free in ``save_dir`` once the partial folder is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -25,11 +32,12 @@ import torch.distributed as dist
 
 from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.chunks import ChunkWriter, agree_ok
-from infinity.checkpoint.durable import publish_folder, sync_files, write_durably
+from infinity.checkpoint.durable import free_bytes, publish_folder, sync_files, write_durably
 from infinity.checkpoint.manifest import LATEST, GroupEntry, Manifest, dtype_name, json_safe
 from infinity.checkpoint.state_map import PARAMS, StateMap, overlaps, state_key
 from infinity.checkpoint.zarr_store import write_array_meta, write_group
 from infinity.errors import CheckpointError
+from infinity.memory.nvme_store import _human
 
 ENGINE_STATE = "engine_state.pt"
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -82,6 +90,23 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     tmp = final + ".tmp"
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                          rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
+    mine: list[str] = []  # the files this rank writes into tmp, for the cleanup after a failure
+    try:
+        bytes_written = _save(engine, state_map, save_dir, tag, tmp, client_state, save_latest, mine)
+    except BaseException as error:
+        _discard(comm, save_dir, tmp, mine)
+        if not isinstance(error, Exception):
+            raise  # Ctrl-C and the like: as they were, the partial folder gone
+        raise _failed(error, save_dir, final, state_map) from error
+    return SaveStats(time.perf_counter() - started, bytes_written)
+
+
+def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, client_state: dict | None,
+          save_latest: bool, mine: list[str]) -> int:  # fmt: skip
+    """The save's three phases, each ended by every rank agreeing it went well ([Note: crash-safe save]); the
+    bytes of this rank's chunks."""
+    comm = engine.comm
+    final = os.path.join(save_dir, tag)
     error = None
     try:
         if comm.rank == 0:
@@ -93,18 +118,18 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     try:
         io = ChunkIO(engine.config.aio)
         try:
-            writer = ChunkWriter(tmp, state_map.specs, comm, io)
+            writer = ChunkWriter(tmp, state_map.specs, comm, io, written=mine)
             _write_arrays(engine, state_map, writer)
             writer.finish()
         finally:
             io.close()
         os.makedirs(os.path.dirname(rng_path(tmp, comm.rank)), exist_ok=True)
+        mine.append(rng_path(tmp, comm.rank))
         torch.save(rng_state(), rng_path(tmp, comm.rank))
-        written = [*writer.written, rng_path(tmp, comm.rank)]
         if comm.rank == 0:
+            mine.append(os.path.join(tmp, ENGINE_STATE))
             torch.save(_engine_state(engine, client_state), os.path.join(tmp, ENGINE_STATE))
-            written.append(os.path.join(tmp, ENGINE_STATE))
-        sync_files(tmp, written)
+        sync_files(tmp, mine)
         error = None
     except Exception as e:  # noqa: BLE001
         error = e
@@ -119,7 +144,40 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     except Exception as e:  # noqa: BLE001
         error = e
     agree_ok(comm, error, "save_checkpoint")
-    return SaveStats(time.perf_counter() - started, writer.bytes_written)
+    return writer.bytes_written
+
+
+def _discard(comm, save_dir: str, tmp: str, mine: list[str]) -> None:
+    """After a failed save: this rank's files go (on a disk of its own, nobody else sees them), and rank 0 removes
+    the tag's temporary folder. Best effort: the error being raised is the news."""
+    for path in mine:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _failed(error: Exception, save_dir: str, final: str, state_map: StateMap) -> CheckpointError:
+    """The error every rank raises for a failed save: what failed, what was cleaned up, what still loads, and the
+    room the checkpoint needs."""
+    needed = sum(spec.meta.numel * spec.meta.dtype.itemsize for spec in state_map.specs.values())
+    try:
+        free = f"{_human(free_bytes(save_dir))} free there now"
+    except OSError:
+        free = "free space unknown"
+    latest = os.path.join(save_dir, LATEST)
+    try:
+        with open(latest) as f:
+            kept = f"`latest` still names {f.read().strip()!r}, which loads as before"
+    except OSError:
+        kept = "no earlier checkpoint in that folder (no `latest`)"
+    failed = CheckpointError(
+        f"save_checkpoint of {final} failed: {error}. Its partial folder {final}.tmp was removed; {kept}. The "
+        f"checkpoint takes about {_human(needed)} ({needed} bytes) in {save_dir}, {free}: free space there or "
+        "save to another folder"
+    )
+    failed.announced = True  # every rank raises it: nobody waits for another in a collective any more
+    return failed
 
 
 def _create(tmp: str, save_dir: str, state_map: StateMap) -> None:

@@ -8,8 +8,8 @@ from infinity.memory.nvme_store import (
     StoreStats,
     SwapLayout,
     default_run_id,
-    remove_stale_folders,
 )
+from infinity.memory.swap_lock import remove_stale_folders
 
 __all__ = [
     "DirectionStats",

@@ -1,9 +1,9 @@
 """NvmeStore: the per-rank swap store of the NVMe tier.
 
 A store holds named segments (later: parameter shards and optimizer tiles) in files under ``nvme_path``
-and moves them to and from tensors through an AioHandle. It owns the files' whole life: a private folder
-per run and rank, free-space check and preallocation at open, size checks before each read, removal at
-close, at exit and on SIGINT/SIGTERM, and removal of what a crashed run left behind.
+and moves them to and from tensors through an AioHandle: the layout of segments in one swap file, free-space
+check and preallocation at open, size checks before each read. Where the file lives, its lock, and its removal
+(at close, at exit, on SIGINT/SIGTERM, and what a crashed run left behind) are swap_lock.py's.
 
 Why one file per rank, not one per segment: a rank may hold thousands of segments (one per optimizer
 tile or parameter shard). One file means one open file held for the store's life (no fight with a
@@ -25,7 +25,7 @@ no open or close per request. Because a descriptor keeps working after its path 
 each read first compares the path with the open file (see _check_swap_file), so a deleted, replaced or
 truncated swap file still fails the read, naming it.
 
-See [Note: swap folder lock] for how runs keep apart and how a crashed run's files are found.
+See [Note: swap folder lock] in swap_lock.py for how runs keep apart and how a crashed run's files are found.
 
 Checksums (``checksum=True``, off by default): zlib.crc32 of each segment's bytes, computed on the
 caller's thread when a write is submitted and verified when a read is waited for. Cost: crc32 runs at
@@ -35,17 +35,11 @@ throughput; a tensor on a GPU is also copied to the host for it. Use it to chase
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno as errno_module
-import fcntl
 import itertools
-import logging
 import os
 import re
-import shutil
-import signal
-import socket
 import threading
 import time
 import weakref
@@ -56,35 +50,13 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.aio.buffers import IO_ALIGNMENT
-from infinity.aio.files import AioFile, open_file
+from infinity.aio.files import open_file
 from infinity.aio.handle import AioHandle
 from infinity.aio.request import AioRequest
 from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
+from infinity.memory.swap_lock import SwapFolder, check_nvme_path, remove_stale_folders
 
-logger = logging.getLogger("infinity")
-
-RUN_PREFIX = "infinity-"
-LOCK_NAME = "lock"
-SWAP_NAME = "swap"
-_RANK_DIR = re.compile(r"rank\d+")
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_LOCK_BUSY_WAIT_S = 2.0  # a scanner holds a live folder's lock only for an instant; a run holds it for good
-_LOCKLESS_GRACE_S = 60.0  # a folder without a lock file younger than this may be one being made now
-
-# [Note: swap folder lock]
-# Each store lives in <nvme_path>/infinity-<run id>/rank<r>/ holding two files: ``lock`` and ``swap``.
-# The store holds fcntl.flock(LOCK_EX) on ``lock`` for its whole life; the file says who (pid, host).
-# flock is dropped by the kernel when its holder dies, however it dies (SIGKILL, OOM killer, power cut
-# of the process), so "the lock can be taken" means exactly "the run that made this folder is gone".
-# At open, a store looks at every infinity-*/rank*/ folder under nvme_path and removes those whose lock
-# it can take (one log line for all of them); folders whose lock is held are left alone, so runs that share a disk
-# never touch each other's files, and two stores can only share a folder by sharing run id and rank (an
-# error). Whoever removes a folder holds its lock while doing so and unlinks the lock file last; whoever
-# takes a lock checks afterwards that the lock file at the path is still the file it locked (same inode),
-# and starts over otherwise. So a store being made and a scan running at the same time cannot both think
-# they own a folder. A folder with no lock file at all (its run died between mkdir and creating the lock)
-# is removed once it is older than a minute. Caveat: on a network filesystem whose flock is local to each
-# host, a folder in use by another host looks stale; nvme_path is meant to be a local disk.
 
 
 def _round_up(nbytes: int) -> int:
@@ -163,17 +135,6 @@ class SwapLayout:
 
     def __iter__(self) -> Iterator[Segment]:
         return iter(self.segments)
-
-    def appended(self, name: str, nbytes: int) -> SwapLayout:
-        """This layout with one more segment at its end (an open store growing: ``NvmeStore.append``)."""
-        _check_segment(name, nbytes)
-        if name in self._index:
-            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
-        segment = Segment(name, self.total_bytes, nbytes)
-        grown = object.__new__(SwapLayout)
-        object.__setattr__(grown, "segments", (*self.segments, segment))
-        object.__setattr__(grown, "_index", {**self._index, name: segment})  # copies at C speed, no re-check
-        return grown
 
     def __len__(self) -> int:
         return len(self.segments)
@@ -327,189 +288,6 @@ class SegmentRequest:
             return exc
 
 
-# ---- the files: what close(), atexit and the signal handlers remove ----
-class _Files:
-    """The folder, its lock and the swap file of one store. Kept apart from NvmeStore so cleanup can run
-    from weakref.finalize (at exit, or when a store is collected) and from the signal handlers."""
-
-    def __init__(self, run_dir: str, rank_dir: str) -> None:
-        self.run_dir = run_dir
-        self.rank_dir = rank_dir
-        self.lock_path = os.path.join(rank_dir, LOCK_NAME)
-        self.swap_path = os.path.join(rank_dir, SWAP_NAME)
-        self.lock_fd: int | None = None
-        self.swap: AioFile | None = None  # every segment request borrows its descriptors
-        self.owner_pid = os.getpid()
-
-    def remove(self) -> None:
-        """Remove the files and folders, then release the lock. Idempotent; each step tolerates a
-        half-done earlier attempt (a signal may interrupt close())."""
-        _live_files.discard(self)
-        if os.getpid() != self.owner_pid:
-            return  # a forked child: the parent owns the files, and the flock it shares with us
-        swap, self.swap = self.swap, None
-        if swap is not None:
-            swap.close()  # requests still in flight keep its descriptors until they complete
-        lock_fd, self.lock_fd = self.lock_fd, None
-        if lock_fd is None:
-            return
-        try:  # under the lock: nobody else may take this folder while it is half gone
-            _unlink_quietly(self.swap_path)
-            _unlink_quietly(self.lock_path)
-            shutil.rmtree(self.rank_dir, ignore_errors=True)
-            _rmdir_quietly(self.run_dir)  # only if empty: other ranks of the run may share it
-        finally:
-            os.close(lock_fd)
-
-
-_live_files: set[_Files] = set()
-_previous_handlers: dict[int, object] = {}
-_hooks_lock = threading.Lock()
-
-
-def _remove_all() -> None:
-    for files in list(_live_files):
-        files.remove()
-
-
-def _on_signal(signum: int, frame) -> None:
-    """Remove every open store's files, then do what the signal did before (see NvmeStore)."""
-    _remove_all()
-    previous = _previous_handlers.get(signum)
-    if callable(previous):
-        previous(signum, frame)
-        return
-    signal.signal(signum, signal.SIG_DFL)  # the default action (terminate), as if we had never been here
-    os.kill(os.getpid(), signum)
-
-
-def _install_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal.signal works only there; atexit and close() still clean up
-    with _hooks_lock:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            if signum in _previous_handlers:
-                continue
-            current = signal.getsignal(signum)
-            if current is None or current == signal.SIG_IGN:
-                continue  # set from C (unknown to us), or deliberately ignored: leave it so
-            signal.signal(signum, _on_signal)
-            _previous_handlers[signum] = current
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _rmdir_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.rmdir(path)
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        on_disk = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (on_disk.st_dev, on_disk.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 512, 0).decode(errors="replace")
-    except OSError:
-        return "unknown"
-    fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
-    if "pid" not in fields:
-        return "unknown (empty lock file)"
-    return f"pid {fields['pid']} on host {fields.get('host', '?')}"
-
-
-def _folder_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
-
-
-def remove_stale_folders(nvme_path: str) -> list[str]:
-    """Remove the rank folders under ``nvme_path`` left by runs that are gone; return their paths.
-
-    A folder is stale when its lock can be taken (see [Note: swap folder lock]). Folders in use are left
-    alone. One log line for all removed (a killed run leaves one folder per kind: parameters, gradients,
-    optimizer)."""
-    removed: dict[str, list[str]] = {}  # why -> folders
-    nbytes = 0
-    try:
-        runs = [e for e in os.scandir(nvme_path) if e.name.startswith(RUN_PREFIX) and e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return []
-    for run in runs:
-        try:
-            ranks = [e for e in os.scandir(run.path) if _RANK_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        except OSError:
-            continue
-        for rank in ranks:
-            found = _remove_if_stale(rank.path)
-            if found is not None:
-                removed.setdefault(found[0], []).append(rank.path)
-                nbytes += found[1]
-        _rmdir_quietly(run.path)  # empty: its last rank folder is gone
-    folders = [path for paths in removed.values() for path in paths]
-    if folders:
-        logger.warning(
-            "removed %d swap folder(s) (%s) of runs that are gone: %s",
-            len(folders),
-            _human(nbytes),
-            "; ".join(f"{', '.join(paths)} ({why})" for why, paths in removed.items()),
-        )
-    return folders
-
-
-def _remove_if_stale(rank_dir: str) -> tuple[str, int] | None:
-    """Why the folder was stale and the bytes it held, once removed; None when it is left alone."""
-    lock_path = os.path.join(rank_dir, LOCK_NAME)
-    try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        try:
-            age = time.time() - os.stat(rank_dir).st_mtime
-        except OSError:
-            return None
-        if age < _LOCKLESS_GRACE_S:
-            return None  # perhaps a store making its folder right now
-        nbytes = _folder_bytes(rank_dir)
-        shutil.rmtree(rank_dir, ignore_errors=True)
-        return "no lock file: its run died before locking it", nbytes
-    except OSError:
-        return None  # unreadable: not ours to judge
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return None  # held: its run is alive (or flock is unsupported here: leave it be)
-        if not _same_file(fd, lock_path):
-            return None  # removed or replaced while we were locking it
-        holder = _read_holder(fd)
-        nbytes = _folder_bytes(rank_dir)
-        for entry in os.scandir(rank_dir):
-            if entry.name == LOCK_NAME:
-                continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                _unlink_quietly(entry.path)
-        _unlink_quietly(lock_path)  # last, while still holding it
-        _rmdir_quietly(rank_dir)
-    finally:
-        os.close(fd)
-    return f"{holder}: its lock was free", nbytes
-
-
 # ---- preallocation ----
 _libc = ctypes.CDLL(None, use_errno=True)
 _fallocate = getattr(_libc, "fallocate64", None) or getattr(_libc, "fallocate", None)
@@ -552,30 +330,6 @@ def default_run_id() -> str:
     """Time, pid and a number counting the ids this process made: unique on one host, also for several engines
     made in the same second (a GAN's two). Ranks of one run must pass one id agreed among them."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{next(_run_numbers)}"
-
-
-def _check_nvme_path(path: str) -> None:
-    """Every way nvme_path can be unusable, found at open before anything is written."""
-    if not os.path.exists(path):
-        raise ConfigError(
-            f"nvme_path {path!r} does not exist: create it (mkdir -p) on a local NVMe disk, or set "
-            "offload_param.nvme_path / offload_optimizer.nvme_path to a directory that exists"
-        )
-    if not os.path.isdir(path):
-        raise ConfigError(
-            f"nvme_path {path!r} is not a directory: set nvme_path to a directory on a local NVMe disk "
-            "(the store makes its own folder inside it)"
-        )
-    if os.statvfs(path).f_flag & os.ST_RDONLY:
-        raise ConfigError(
-            f"nvme_path {path!r} is on a read-only filesystem: remount it read-write, or set nvme_path to a "
-            "directory on a writable local disk"
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"nvme_path {path!r} is not writable by this process (uid {os.getuid()}): give it write permission "
-            "(chmod u+wx, or chown to this user), or set nvme_path to a directory this user can write"
-        )
 
 
 class NvmeStore:
@@ -626,9 +380,10 @@ class NvmeStore:
         self.run_id = run_id
         self.checksum = checksum
         self._handle = handle
-        run_dir = os.path.join(self.nvme_path, RUN_PREFIX + run_id)
-        self._files = _Files(run_dir, os.path.join(run_dir, f"rank{rank}"))
-        self._layout: SwapLayout | None = None
+        self._files = SwapFolder(self.nvme_path, run_id, rank)
+        # fixed at open, then grown in place by append() (zero.Init: one segment per parameter, so never copied)
+        self._segments: dict[str, Segment] | None = None
+        self._end = 0  # the swap file's size once open: the end of the last segment's padding
         self._closed = False
         self._sizes: dict[str, int] = {}
         self._next_offset = 0
@@ -654,12 +409,15 @@ class NvmeStore:
 
     @property
     def layout(self) -> SwapLayout:
-        """The segments' places; fixed at open (before, what open would use)."""
-        return self._layout if self._layout is not None else SwapLayout.from_sizes(self._sizes.items())
+        """The segments' places now (a snapshot; before open, what open would use). It is built from every
+        segment: for inspection, not for a loop that appends."""
+        if self._segments is None:
+            return SwapLayout.from_sizes(self._sizes.items())
+        return SwapLayout(tuple(self._segments.values()))
 
     @property
     def is_open(self) -> bool:
-        return self._layout is not None and not self._closed
+        return self._segments is not None and not self._closed
 
     @property
     def stats(self) -> StoreStats:
@@ -669,7 +427,7 @@ class NvmeStore:
     # ---- setting up ----
     def add(self, name: str, nbytes: int) -> Segment:
         """Declare a segment of ``nbytes`` bytes. Only before open(): the layout is fixed then."""
-        if self._layout is not None or self._closed:
+        if self._segments is not None or self._closed:
             raise ConfigError(f"swap segment {name!r}: segments can only be added before the store is opened")
         _check_segment(name, nbytes)
         if name in self._sizes:
@@ -684,9 +442,9 @@ class NvmeStore:
         and preallocate the swap file. Nothing is written before the checks pass."""
         if self._closed:
             raise ConfigError(f"the swap store at {self.folder!r} is closed; make a new NvmeStore")
-        if self._layout is not None:
+        if self._segments is not None:
             raise ConfigError(f"the swap store at {self.folder!r} is already open")
-        _check_nvme_path(self.nvme_path)
+        check_nvme_path(self.nvme_path)
         remove_stale_folders(self.nvme_path)
         layout = SwapLayout.from_sizes(self._sizes.items())
         free = _free_bytes(self.nvme_path)
@@ -698,7 +456,7 @@ class NvmeStore:
             )
         files = self._files
         try:
-            self._lock_folder()
+            files.lock()
             files.swap = open_file(
                 files.swap_path, write=True, direct=self._handle.settings.use_direct_io, exclusive=True, mode=0o600
             )
@@ -706,10 +464,10 @@ class NvmeStore:
         except BaseException:
             files.remove()
             raise
-        self._layout = layout
-        _live_files.add(files)
+        self._segments = {segment.name: segment for segment in layout}
+        self._end = layout.total_bytes
         self._finalizer = weakref.finalize(self, files.remove)  # also runs at interpreter exit (atexit)
-        _install_signal_handlers()
+        files.guard()
         return self
 
     def append(self, name: str, nbytes: int) -> Segment:
@@ -717,8 +475,10 @@ class NvmeStore:
         its module is built, before anyone knows the whole model). Its space is checked and reserved now."""
         if not self.is_open:
             raise ConfigError(f"swap segment {name!r}: append() needs an open store (add() before open())")
-        layout = self._layout.appended(name, nbytes)
-        segment = layout[name]
+        _check_segment(name, nbytes)
+        if name in self._segments:
+            raise ConfigError(f"swap segment {name!r} is already in this store; segment names must be unique")
+        segment = Segment(name, self._end, nbytes)
         free = _free_bytes(self.nvme_path)
         if segment.padded_nbytes > free:
             raise TierBudgetError(
@@ -727,59 +487,10 @@ class NvmeStore:
                 "larger disk, or offload less to NVMe"
             )
         _preallocate(self._files.swap.buffered_fd, segment.padded_nbytes, self.swap_path, offset=segment.offset)
-        self._layout = layout
+        self._segments[name] = segment  # in place: appending P segments costs O(P), not O(P^2)
+        self._end = segment.end
         self._sizes[name] = nbytes
         return segment
-
-    def _lock_folder(self) -> None:
-        """Make this rank's folder and take its lock (see [Note: swap folder lock])."""
-        files = self._files
-        deadline = time.monotonic() + _LOCK_BUSY_WAIT_S
-        for _attempt in range(100):
-            try:  # mkdir, not makedirs: never create nvme_path itself
-                for folder in (files.run_dir, files.rank_dir):
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(folder, 0o755)
-                fd = os.open(files.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except FileNotFoundError:
-                if not os.path.isdir(self.nvme_path):
-                    _check_nvme_path(self.nvme_path)
-                continue  # a scan removed the run folder between two calls: make it again
-            except OSError as e:
-                raise ConfigError(
-                    f"cannot create the swap folder {files.rank_dir!r}: {os.strerror(e.errno)}; check that "
-                    "nvme_path is writable by this user"
-                ) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_holder(fd)
-                os.close(fd)
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                raise ConfigError(
-                    f"the swap folder {files.rank_dir!r} is in use by a live process ({holder}): two stores with "
-                    f"run id {self.run_id!r} and rank {self.rank}. Give each run its own run id"
-                ) from None
-            if not _same_file(fd, files.lock_path):
-                os.close(fd)  # a scan removed it after we opened it: start over
-                continue
-            files.lock_fd = fd
-            break
-        else:
-            raise ConfigError(
-                f"could not make and lock the swap folder {files.rank_dir!r}: something keeps removing it; "
-                "is another program cleaning nvme_path?"
-            )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}\nhost {socket.gethostname()}\nrun {self.run_id}\n".encode(), 0)
-        for entry in os.scandir(files.rank_dir):  # a dead holder's leftovers (we hold the lock now)
-            if entry.name != LOCK_NAME:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    _unlink_quietly(entry.path)
 
     # ---- I/O ----
     def write(self, name: str, tensor: torch.Tensor) -> SegmentRequest:
@@ -825,10 +536,10 @@ class NvmeStore:
             state = "closed" if self._closed else "not open yet (call open())"
             raise ConfigError(f"swap segment {name!r}: the swap store at {self.folder!r} is {state}")
         try:
-            segment = self._layout[name]
+            segment = self._segments[name]
         except KeyError:
-            known = ", ".join(repr(s.name) for s in list(self._layout)[:5])
-            more = f" and {len(self._layout) - 5} more" if len(self._layout) > 5 else ""
+            known = ", ".join(repr(n) for n in itertools.islice(self._segments, 5))
+            more = f" and {len(self._segments) - 5} more" if len(self._segments) > 5 else ""
             raise ConfigError(
                 f"no swap segment {name!r} in the store at {self.folder!r} (it has {known or 'none'}{more}); "
                 "add every segment before open()"
@@ -847,7 +558,7 @@ class NvmeStore:
         """Fail loudly, naming the file, rather than read short or read someone else's bytes. The reads go
         through the descriptors opened at open(), which keep reading an unlinked or replaced file: so the
         path is checked against them here."""
-        path, expected = self.swap_path, self._layout.total_bytes
+        path, expected = self.swap_path, self._end
         try:
             on_disk = os.stat(path)
         except FileNotFoundError:
@@ -896,7 +607,7 @@ class NvmeStore:
             self._files.remove()
 
     def __enter__(self) -> NvmeStore:
-        if self._layout is None:
+        if self._segments is None:
             self.open()
         return self
 

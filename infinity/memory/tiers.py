@@ -11,13 +11,18 @@ A segment is a flat tensor of training state that can move: one optimizer tile's
   and acquiring a segment whose write is still in flight waits for that write and takes its buffer as it is
   (the bytes are there; no read): so a read never overtakes the write of the same segment.
 Callers ``acquire(name)`` a handle, ``wait()`` for its tensor and ``release(handle, dirty=...)`` it; they never
-branch on the tier. Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
+branch on the tier. An NVMe segment has one holder at a time: acquiring it again before its handle is released is
+a SegmentHeldError (two handles would be two copies in two ring buffers, and the last one released dirty would
+overwrite the other's changes on disk). A DEVICE or HOST segment's handle is its home tensor itself, so any number
+may be out at once (a kept parameter piece, a master lent to the user's optimizer for the engine's life).
+Every buffer has an owner (the ring) and a budget (buffer_count x the largest segment),
 allocated once at open: host memory stays flat across steps. A segment larger than a ring buffer moves with
 ``read_into`` / ``write_from`` from the caller's own tensor; ``write_from(block=False)`` (a loose write) keeps that
 tensor alive until the write lands, and loose writes in flight hold at most the ring's bytes (one write when a
 single segment is larger), so the caller's tensors stay within the same budget.
 
-Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting.
+Accounting, per tier and direction: bytes moved, requests, and the seconds the caller was blocked waiting; of
+them, those of outsized segments (moved with read_into / write_from, around the ring).
 ``window()`` gives the totals since the last call, for the per-step report line.
 """
 
@@ -34,10 +39,14 @@ import torch
 
 from infinity.aio.buffers import HostBuffer, allocate_host_buffer
 from infinity.aio.handle import AioHandle
-from infinity.errors import ConfigError, TierBudgetError
+from infinity.errors import ConfigError, InfinityError, TierBudgetError
 from infinity.memory.nvme_store import NvmeStore, SegmentRequest, _human
 
 logger = logging.getLogger("infinity")
+
+
+class SegmentHeldError(InfinityError, RuntimeError):
+    """An NVMe segment was acquired while a handle on it was still held (a bug in the caller)."""
 
 
 class Tier(enum.Enum):
@@ -74,6 +83,8 @@ class TierStats:
     """Totals per direction, and bytes held per tier."""
 
     traffic: dict[str, Traffic] = field(default_factory=lambda: {d: Traffic() for d in DIRECTIONS})
+    # of the traffic, that of segments larger than a ring buffer (read on demand into the caller's tensor)
+    outsized: dict[str, Traffic] = field(default_factory=lambda: {d: Traffic() for d in DIRECTIONS})
     held_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes of segments whose home it is
     staging_bytes: int = 0  # the ring of host buffers for NVMe segments
 
@@ -81,6 +92,8 @@ class TierStats:
         return {
             "traffic": {d: {"bytes": t.bytes, "requests": t.requests, "blocked_s": t.blocked_s}
                         for d, t in self.traffic.items()},
+            "outsized": {d: {"bytes": t.bytes, "requests": t.requests, "blocked_s": t.blocked_s}
+                         for d, t in self.outsized.items()},
             "held_bytes": dict(self.held_bytes),
             "staging_bytes": self.staging_bytes,
         }  # fmt: skip
@@ -169,6 +182,7 @@ class TierManager:
         self._loose_writes: dict[str, tuple[SegmentRequest, torch.Tensor]] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
+        self._outsized = {d: Traffic() for d in DIRECTIONS}
         self._open = False
 
     # ---- setting up ----
@@ -220,6 +234,7 @@ class TierManager:
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
+        self._check_not_held(name, "acquiring it again")
         self.reap_loose_writes()
         if name in self._loose_writes:
             self.settle(name)
@@ -263,15 +278,17 @@ class TierManager:
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
         spec = self._specs[name]
+        self._check_not_held(name, "reading it")
         self.reap_loose_writes()
         self.settle(name)
-        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes)
+        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes, outsized=not self.fits(name))
 
     def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
         """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller (a loose write),
         who must not change ``values`` until ``settle(name)`` or ``flush()`` (a later read or write of the segment
         waits); loose writes in flight hold at most the ring's bytes (or one write), the oldest waited for first."""
         spec = self._specs[name]
+        self._check_not_held(name, "writing it")
         self.settle(name)
         self.reap_loose_writes()
         values = values.contiguous()
@@ -281,9 +298,16 @@ class TierManager:
                 self.settle(next(iter(self._loose_writes)))
         request = self.store.write(name, values)
         if block:
-            self._wait(request, "nvme_write", spec.nbytes)
+            self._wait(request, "nvme_write", spec.nbytes, outsized=not self.fits(name))
         else:
             self._loose_writes[name] = (request, values)  # values kept alive until it lands
+
+    def _check_not_held(self, name: str, doing: str) -> None:
+        if name in self._held:
+            raise SegmentHeldError(
+                f"NVMe segment {name!r} of {self.owner} is held (acquired, not released): release its handle before "
+                f"{doing}; two copies of one segment would overwrite each other's changes"
+            )
 
     def _loose_bytes(self) -> int:
         return sum(self._specs[name].nbytes for name in self._loose_writes)
@@ -301,7 +325,7 @@ class TierManager:
             self._finish_write(pending)
         loose = self._loose_writes.pop(name, None)
         if loose is not None:
-            self._wait(loose[0], "nvme_write", self._specs[name].nbytes)
+            self._wait(loose[0], "nvme_write", self._specs[name].nbytes, outsized=not self.fits(name))
 
     def flush(self) -> None:
         """Waits for every write in flight."""
@@ -334,12 +358,14 @@ class TierManager:
         slot.writing = None
         self._wait(request, "nvme_write", slot.write_bytes)
 
-    def _wait(self, request: SegmentRequest, direction: str, nbytes: int) -> None:
+    def _wait(self, request: SegmentRequest, direction: str, nbytes: int, *, outsized: bool = False) -> None:
         start = time.perf_counter()
         request.wait()
         moved = Traffic(nbytes, 1, time.perf_counter() - start)
         self._traffic[direction].add(moved)
         self._window[direction].add(moved)
+        if outsized:
+            self._outsized[direction].add(moved)
 
     def residency(self, name: str) -> Residency:
         """Where the segment's newest bytes are: in memory (RESIDENT), moving (IN_FLIGHT), or only on NVMe."""
@@ -358,6 +384,7 @@ class TierManager:
             held[spec.home.value] = held.get(spec.home.value, 0) + spec.nbytes
         return TierStats(
             traffic={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._traffic.items()},
+            outsized={d: Traffic(t.bytes, t.requests, t.blocked_s) for d, t in self._outsized.items()},
             held_bytes=held,
             staging_bytes=sum(slot.buffer.nbytes for slot in self._ring),
         )

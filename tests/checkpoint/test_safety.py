@@ -7,8 +7,11 @@ place but before ``latest`` moves) and the parent checks that the previous tag i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -218,6 +221,66 @@ def test_a_save_killed_midway_leaves_the_previous_tag_loadable(tmp_path, point):
         engine.save_checkpoint(folder, tag="doomed")  # and a new save of that tag replaces it
         assert "doomed.tmp" not in os.listdir(folder) and "doomed" in os.listdir(folder)
     engine.destroy()
+
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """No file of this process may grow past ``nbytes``: the kernel refuses such writes with EFBIG, as it refuses
+    them with ENOSPC on a full disk. SIGXFSZ is ignored meanwhile, so the write fails instead of killing us."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_save_that_fails_on_disk_removes_its_folder_and_the_previous_tag_loads(tmp_path, capsys):
+    """A save the kernel stops part way (chunk files over a file-size limit: EFBIG, as ENOSPC on a full disk,
+    after the smaller files are written) removes its partial folder, leaves `latest` and the previous tag as they
+    were, and says what failed, what was removed, what still loads and how much room the checkpoint takes. Then
+    `ckpt info` describes the previous tag, and a save with room succeeds."""
+    from infinity.checkpoint.cli import main as ckpt_main
+
+    folder = str(tmp_path / "ckpt")
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(folder, tag="good")
+    _train(engine, 1, first=1)
+    with _file_size_limit(10_000), pytest.raises(CheckpointError) as info:  # the largest chunks are 12 KiB
+        engine.save_checkpoint(folder, tag="doomed")
+    assert sorted(os.listdir(folder)) == ["good", "latest"]  # no doomed.tmp, no temporary `latest`
+    message = str(info.value)
+    assert "File too large" in message and os.path.join(folder, "doomed") in message, message
+    assert "partial folder" in message and "`latest` still names 'good'" in message, message
+    assert re.search(r"takes about [\d.]+ KiB \(\d+ bytes\) in .*, [\d.]+ \w+ free there now", message), message
+    engine.save_checkpoint(folder, tag="later")
+    engine.destroy()
+    engine = _engine()
+    path, _ = engine.load_checkpoint(folder, tag="good")
+    assert os.path.basename(path) == "good" and engine.global_steps == 1
+    engine.destroy()
+    assert ckpt_main(["info", folder, "--tag", "good"]) == 0 and "tag good: step 1" in capsys.readouterr().out
+
+
+def test_info_on_a_folder_without_a_complete_tag_says_so(tmp_path, capsys):
+    from infinity.checkpoint.cli import main as ckpt_main
+
+    os.makedirs(tmp_path / "global_step5.tmp" / "params")  # a save killed part way, before any finished
+    assert ckpt_main(["info", str(tmp_path)]) == 1
+    error = capsys.readouterr().err
+    assert f"{tmp_path} holds no complete checkpoint" in error
+    assert "global_step5.tmp: saves that never finished" in error
+    (tmp_path / "global_step5.tmp").rename(tmp_path / "global_step5")  # `latest` never written: an unfinished tag
+    with open(tmp_path / "latest", "w") as f:
+        f.write("global_step5")
+    assert ckpt_main(["info", str(tmp_path)]) == 1
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert ckpt_main(["info", str(tmp_path / "missing")]) == 1
+    assert "is not a folder" in capsys.readouterr().err
 
 
 class _Tiny(torch.nn.Module):

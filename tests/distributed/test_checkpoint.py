@@ -2,7 +2,8 @@
 
 Exact resume: a run trains 5 steps, saves, trains 5 more; fresh processes load the checkpoint and train the same
 5 steps: the fp32 losses and the final parameters must be identical (torch.equal), for stages 0-3 with the
-optimizer (and at stage 3 the parameters) in memory, in host memory and on NVMe, with a WarmupLR scheduler
+optimizer (and at stage 3 the parameters) in memory, in host memory and on NVMe (max_in_cpu 0: every parameter
+piece on disk, saved from and loaded into the swap file, as the tier stats show), with a WarmupLR scheduler
 (the learning rate moves every step until its warmup ends, after the resume), gradient accumulation 2 and the
 engine's own data loader: the save falls in the middle of an epoch, and the resumed run finishes it and crosses into
 the next (the same batches must follow). fp16 runs (stages 2 and 3) start at a loss scale that
@@ -66,6 +67,8 @@ def _config(mode: Mode, swap: str, *, world_size: int = 2) -> dict:
         zero["offload_optimizer"] = {"device": mode.device, "nvme_path": swap}
         if mode.stage == 3:
             zero["offload_param"] = {"device": mode.device, "nvme_path": swap}
+            if mode.device == "nvme":
+                zero["offload_param"]["max_in_cpu"] = 0  # every piece on NVMe (the default keeps these in memory)
     if mode.stage == 3:
         zero["stage3_param_persistence_threshold"] = 40  # the LayerNorms' and biases' persistent unit too
     if mode.precision == "fp16":
@@ -86,6 +89,26 @@ def _engine(mode: Mode, swap: str, *, world_size: int = 2, data: bool = True):
         training_data=_dataset() if data else None,
     )  # fmt: skip
     return engine, loader
+
+
+def _param_traffic(engine) -> dict:
+    """Parameter pieces on NVMe: bytes read and written so far (writes in flight waited for: they count once
+    done), and where the pieces live (tier -> bytes)."""
+    stats = engine.tier_stats().get("parameters")
+    if stats is None:
+        return {}
+    engine.stage3.table.shards.manager.flush()
+    stats = engine.tier_stats()["parameters"]
+    return {"read": stats["traffic"]["nvme_read"]["bytes"], "written": stats["traffic"]["nvme_write"]["bytes"],
+            "held": stats["held_bytes"]}  # fmt: skip
+
+
+def _moved(before: dict, after: dict) -> dict:
+    """What a save or a load moved of the parameter pieces on NVMe."""
+    if not before:
+        return {}
+    return {"read": after["read"] - before["read"], "written": after["written"] - before["written"],
+            "held": after["held"]}  # fmt: skip
 
 
 def _train_from_loader(engine, loader, mode: Mode, steps: int, batches: list) -> list[float]:
@@ -139,12 +162,14 @@ def _save_then_continue(*, rank: int, world_size: int, root: str) -> dict:
         engine, loader = _engine(mode, swap)
         batches = [iter(loader)]
         _train_from_loader(engine, loader, mode, SAVE_AT, batches)
+        before = _param_traffic(engine)
         engine.save_checkpoint(os.path.join(root, mode.name), client_state={"note": mode.name, "rank": rank})
+        saved = _moved(before, _param_traffic(engine))
         skipped_before = engine.skipped_steps
         losses = _train_from_loader(engine, loader, mode, AFTER, batches)
         out[mode.name] = {"losses": losses, "params": _params(engine), "lr": engine.get_lr(),
                           "skipped": engine.skipped_steps, "scale": engine.loss_scale,
-                          "skipped_before": skipped_before}  # fmt: skip
+                          "skipped_before": skipped_before, "pieces_moved": saved}  # fmt: skip
         engine.destroy()
     # the resharding source: stage 3 on NVMe, explicit global batches
     source = Mode(3, "nvme")
@@ -161,12 +186,15 @@ def _load_and_continue(*, rank: int, world_size: int, root: str) -> dict:
     out = {}
     for mode in MODES:
         engine, loader = _engine(mode, swap)
+        before = _param_traffic(engine)
         path, client_state = engine.load_checkpoint(os.path.join(root, mode.name))
+        loaded = _moved(before, _param_traffic(engine))
         assert client_state == {"note": mode.name, "rank": 0}, client_state
         assert path.endswith(f"global_step{SAVE_AT}") and engine.global_steps == SAVE_AT
         losses = _train_from_loader(engine, loader, mode, AFTER, [iter(loader)])
         out[mode.name] = {"losses": losses, "params": _params(engine), "lr": engine.get_lr(),
-                          "skipped": engine.skipped_steps, "scale": engine.loss_scale}  # fmt: skip
+                          "skipped": engine.skipped_steps, "scale": engine.loss_scale,
+                          "pieces_moved": loaded}  # fmt: skip
         engine.destroy()
     out["reshard"] = _reshard_into(root, [Mode(1), Mode(3)], rank, world_size)
     out["failed_save"] = _one_rank_fails_to_save(root, rank)
@@ -174,8 +202,8 @@ def _load_and_continue(*, rank: int, world_size: int, root: str) -> dict:
 
 
 def _one_rank_fails_to_save(root: str, rank: int) -> str:
-    """Rank 1's chunk writes fail (as on a full disk): both ranks raise, none waits for the other, and the
-    previous checkpoint stays the one `latest` names."""
+    """Rank 1's chunk writes fail (as on a full disk): both ranks raise, none waits for the other, the partial
+    folder is removed, and the previous checkpoint stays the one `latest` names."""
     import infinity.checkpoint.chunk_io as chunk_io
 
     engine, _ = _engine(Mode(3, "nvme"), os.path.join(root, "swap"), data=False)
@@ -235,6 +263,13 @@ def test_resume_is_exact_and_reshards(tmp_path):
             assert got["scale"] == want["scale"], mode.name
             for name, value in want["params"].items():
                 assert torch.equal(got["params"][name], value), (mode.name, name)
+    for mode in (m for m in MODES if (m.stage, m.device) == (3, "nvme")):  # max_in_cpu 0: every piece on disk
+        moved = [(first[rank][mode.name]["pieces_moved"], second[rank][mode.name]["pieces_moved"]) for rank in (0, 1)]
+        for saved, loaded in moved:
+            assert set(saved["held"]) == {"nvme"}, (mode.name, saved)  # none kept in host memory
+            assert loaded["written"] == loaded["held"]["nvme"], (mode.name, loaded)  # the load wrote every piece
+        if mode.model == "gpt2":  # its frozen biases are saved from their pieces, read back from NVMe
+            assert sum(saved["read"] for saved, _ in moved) > 0, (mode.name, moved)
     for name in ("transformer-s2-none-fp16", "transformer-s3-nvme-fp16"):  # steps taken on both sides; some skipped
         run = first[0][name]
         assert run["skipped_before"] < SAVE_AT and run["skipped"] - run["skipped_before"] < AFTER, run
@@ -253,6 +288,7 @@ def test_resume_is_exact_and_reshards(tmp_path):
     assert "rank 1" in second[0]["failed_save"]
     with open(os.path.join(root, "reshard", "latest")) as f:
         assert f.read() == f"global_step{SAVE_AT}"
+    assert sorted(os.listdir(os.path.join(root, "reshard"))) == [f"global_step{SAVE_AT}", "latest"]  # no doomed.tmp
     reference = first[0]["reshard"]
     for losses in (single[0]["transformer-s2-none-fp32"], second[0]["reshard"]["transformer-s1-none-fp32"],
                    second[0]["reshard"]["transformer-s3-none-fp32"]):  # fmt: skip

@@ -17,7 +17,7 @@ reads and writes, which must also equal the one-tile run; torch.optim.SGD (momen
 (weight decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by
 group; a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without
 clipping; parameters on NVMe with offload_param.max_in_cpu 0 (every piece on NVMe) and 4000 (some kept in host
-memory).
+memory), and with offload_param.buffer_size 500 (the pieces larger than a staging buffer read on demand).
 
 Stage 3 steps the same tiles in device memory when nothing is offloaded, so the gradient norm (and with it the
 clip coefficient) is summed over the same layout either way (test_stage3_grad_norm_is_the_same_with_offload).
@@ -63,6 +63,7 @@ class Run:
     clip: float = 1.0
     param_device: str = "none"  # offload_param.device (stage 3)
     max_in_cpu: int = 0  # offload_param.max_in_cpu (nvme): 0 puts every piece on NVMe
+    buffer_size: int | None = None  # offload_param.buffer_size (elements): pieces larger are read on demand
 
     @property
     def key(self) -> str:
@@ -83,11 +84,14 @@ class Run:
             parts.append(f"clip{self.clip:g}")
         if self.max_in_cpu:
             parts.append(f"max_in_cpu{self.max_in_cpu}")
+        if self.buffer_size is not None:
+            parts.append(f"buffer{self.buffer_size}")
         return "-".join(parts)
 
     def without_offload(self) -> Run:
         return dataclasses.replace(
-            self, device="none", param_device="none", sub_group_size=None, pipeline=False, max_in_cpu=0
+            self, device="none", param_device="none", sub_group_size=None, pipeline=False, max_in_cpu=0,
+            buffer_size=None,
         )
 
     def config(self, world_size: int, nvme_path: str) -> dict:
@@ -114,6 +118,8 @@ class Run:
                 zero["offload_param"]["max_in_cpu"] = self.max_in_cpu  # the default (1e9) keeps these models in memory
             if self.pipeline:
                 zero["offload_param"]["buffer_count"] = 2
+            if self.buffer_size is not None:
+                zero["offload_param"]["buffer_size"] = self.buffer_size
         if self.sub_group_size is not None:
             zero["sub_group_size"] = self.sub_group_size
         if self.precision == "fp16":
@@ -149,11 +155,14 @@ OFFLOADED = (
     + [Run("transformer", 2, "nvme", scheduler=True)]
     # stage 3 without clipping (see test_stage3_grad_norm_is_the_same_with_offload)
     + [Run("gpt2", 3, "nvme", clip=0.0)]
-    # parameter offload: every optimizer placement with parameters in host memory or on NVMe; GPT-2 (tied
-    # embedding, the largest unit read on demand) in fp32 and bf16; a ring of 2 staging buffers with small tiles
+    # parameter offload: every optimizer placement with parameters in host memory or on NVMe; GPT-2 in fp32 and
+    # bf16, the fp32 one with staging buffers of 500 elements (offload_param.buffer_size), so that its larger pieces
+    # (the tied embedding, the MLP's) are read on demand straight into their gathered buffers; a ring of 2 staging
+    # buffers with small tiles
     + [Run("transformer", 3, device, param_device=params) for params in ("cpu", "nvme")
        for device in ("none", "cpu", "nvme")]
-    + [Run("gpt2", 3, "nvme", param_device="nvme"), Run("gpt2", 3, "nvme", "bf16", param_device="nvme"),
+    + [Run("gpt2", 3, "nvme", param_device="nvme", buffer_size=500),
+       Run("gpt2", 3, "nvme", "bf16", param_device="nvme"),
        Run("transformer", 3, "nvme", param_device="nvme", sub_group_size=64, pipeline=True)]
     # max_in_cpu 4000: the first pieces within 4000 elements stay in host memory, the others on NVMe (some of each
     # at either world size); GPT-2 (its tied embedding kept), the transformer with the 2-buffer ring
@@ -240,6 +249,8 @@ def param_split(engine) -> dict | None:
         "pieces": {bucket.index: bucket.piece_numel for bucket in shards.layout.buckets},
         "swapped": [segment.name for segment in shards.manager.store.layout],
         "held": engine.tier_stats()["parameters"]["held_bytes"],
+        "outsized_reads": engine.tier_stats()["parameters"]["outsized"]["nvme_read"]["requests"],
+        "ring_fits": [index for index in shards.on_nvme if shards.manager.fits(f"unit{index}")],
         "itemsize": shards.dtype.itemsize,
     }
 
@@ -346,6 +357,21 @@ def test_max_in_cpu_keeps_pieces_in_host_memory_and_the_rest_on_nvme(results, ke
         nbytes = {where: sum(pieces[index] for index in units) * split["itemsize"]
                   for where, units in (("host", kept), ("nvme", on_nvme)) if units}  # fmt: skip
         assert split["held"] == nbytes
+
+
+def test_outsized_pieces_are_read_on_demand(results):
+    """offload_param.buffer_size 500: the pieces larger than a staging buffer are read on demand (counted apart in
+    the tier stats), the others through the ring; the run still equals the one without offload (checked above). The
+    default buffer_size fits every piece of these models: no read on demand."""
+    world_size, per_rank, _ = results
+    small = Run("gpt2", 3, "nvme", param_device="nvme", buffer_size=500).key
+    for rank, rank_results in enumerate(per_rank):
+        split = rank_results[small]["param_split"]
+        outsized = [index for index in split["on_nvme"] if index not in split["ring_fits"]]
+        assert outsized and split["ring_fits"], f"world {world_size} rank {rank}: {split}"
+        assert split["outsized_reads"] > 0, f"world {world_size} rank {rank}: no piece was read on demand"
+        default = rank_results[Run("gpt2", 3, "nvme", "bf16", param_device="nvme").key]["param_split"]
+        assert default["outsized_reads"] == 0 and default["ring_fits"] == default["on_nvme"]
 
 
 def one_tile(run: Run) -> Run:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -383,6 +384,32 @@ def test_append_needs_an_open_store_and_room_on_the_disk(tmp_path, handle):
         assert repr(str(tmp_path)) in str(info.value)
         assert "huge" not in store.layout  # nothing changed
         assert os.path.getsize(store.swap_path) == store.layout.total_bytes
+    finally:
+        store.close()
+
+
+
+def test_appending_many_segments_is_linear(tmp_path, handle):
+    """zero.Init appends one segment per parameter: 20k small parameters must not cost 20k copies of a growing
+    layout (O(P^2): ~3 s of CPU here, where the appends' own statvfs and fallocate take ~0.3 s). A complexity
+    guard, not a speed claim: the bound is generous, on CPU time (not disturbed by other processes' load)."""
+    count = 20_000
+    store = NvmeStore(tmp_path, handle=handle).open()
+    try:
+        started = time.process_time()
+        for index in range(count):
+            store.append(f"piece{index}", 4 * (index % 7 + 1))
+        seconds = time.process_time() - started
+        print(f"{count} appends: {seconds:.2f} s of CPU")
+        assert seconds < 2.0, f"{count} appends took {seconds:.1f} s of CPU: the layout grows quadratically"
+        layout = store.layout
+        assert len(layout) == count and layout.total_bytes == count * 4096 == os.path.getsize(store.swap_path)
+        assert layout[f"piece{count - 1}"].offset == (count - 1) * 4096
+        values = random_tensor(4 * ((count - 1) % 7 + 1), seed=3)
+        store.sync_write(f"piece{count - 1}", values)
+        back = torch.empty_like(values)
+        store.sync_read(f"piece{count - 1}", back)
+        assert torch.equal(back, values)
     finally:
         store.close()
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from infinity.aio import AioHandle
+from infinity.aio.files import AioFile
 from infinity.errors import AioError, ConfigError, TierBudgetError
 from infinity.memory import NvmeStore
-from infinity.memory.tiers import Residency, Tier, TierManager
+from infinity.memory.tiers import Residency, SegmentHeldError, Tier, TierManager
 
 MiB = 1 << 20
 
@@ -81,28 +82,80 @@ def test_nvme_round_trip_through_a_ring_smaller_than_the_segments(tmp_path):
         manager.close()
 
 
-@pytest.mark.parametrize("parallelism", [1, 2])
-def test_a_read_never_overtakes_a_pending_write_of_the_same_segment(tmp_path, parallelism):
-    """New values released dirty (their write queued) and at once acquired again (a read into another ring
-    buffer): the read must see the new values, every time. 16 MiB segments, so that the write is still running
-    when the read is queued."""
-    numel = 4 * MiB
-    manager = nvme_manager(tmp_path, buffer_count=3, intra_op_parallelism=parallelism)
+class _HeldWrite:
+    """A write request that starts only when it is waited for (see HeldWrites)."""
+
+    op = "write"
+
+    def __init__(self, start, path: str, offset: int, nbytes: int) -> None:
+        self._start = start
+        self._request = None
+        self.path, self.offset, self.nbytes = path, offset, nbytes
+
+    def done(self) -> bool:
+        return self._request is not None and self._request.done()
+
+    def exception(self, timeout: float | None = None):
+        if self._request is None:
+            self._request = self._start()
+        return self._request.exception(timeout)
+
+    def wait(self, timeout: float | None = None) -> int:
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self.nbytes
+
+
+class HeldWrites(AioHandle):
+    """An AioHandle whose writes reach the disk only when someone waits for them; reads run at once. So a read
+    queued after a write of the same bytes overtakes it, as it may on a real disk: the kernel completes the
+    requests it holds in any order, and so do the handle's worker threads (intra_op_parallelism) when requests are
+    cut differently. One plain handle cannot show it: its one queue runs requests in order. Real disk I/O either
+    way."""
+
+    def submit_pwrite(self, tensor: torch.Tensor, path, file_offset: int = 0):
+        name = path.path if isinstance(path, AioFile) else str(path)
+        return _HeldWrite(lambda: AioHandle.submit_pwrite(self, tensor, path, file_offset), name, file_offset,
+                          tensor.numel() * tensor.element_size())  # fmt: skip
+
+
+def test_a_read_never_overtakes_a_pending_write_of_the_same_segment(tmp_path):
+    """New values whose write is still pending (released dirty from the ring, or a loose write_from), then the
+    segment asked for again (acquire, read_into): the manager must hand out the new values, every time, though the
+    disk would serve a read before that write (HeldWrites). Then, with nothing pending, a real read from the disk
+    sees the last values: the writes did land."""
+    numel = MiB // 4
+    handle = HeldWrites()
+    manager = TierManager(store=NvmeStore(tmp_path, handle=handle, run_id="tiers"), handle=handle, buffer_count=3)
     manager.add("x", numel, Tier.NVME)
     manager.open()
     try:
         manager.initialize("x", lambda t: t.zero_())
-        for round_ in range(4):
-            handle = manager.acquire("x")
-            handle.wait().fill_(float(round_ + 1))
-            manager.release(handle, dirty=True)
-            again = manager.acquire("x")
-            tensor = again.wait()
-            assert bool((tensor == round_ + 1).all()), f"round {round_}: read {tensor.unique()[:4].tolist()}"
-            manager.release(again, dirty=False)
+        value = 0.0
+        for round_ in range(2):
+            for pending in ("ring", "loose"):
+                for read in ("acquire", "read_into"):
+                    value += 1
+                    if pending == "ring":
+                        handle_ = manager.acquire("x")
+                        handle_.wait().fill_(value)
+                        manager.release(handle_, dirty=True)
+                    else:
+                        manager.write_from("x", torch.full((numel,), value), block=False)
+                    assert manager.residency("x") is Residency.IN_FLIGHT
+                    if read == "acquire":
+                        again = manager.acquire("x")
+                        got = again.wait().clone()
+                        manager.release(again, dirty=False)
+                    else:
+                        got = torch.empty(numel)
+                        manager.read_into("x", got)
+                    where = f"round {round_}, {pending} write, then {read}"
+                    assert bool((got == value).all()), f"{where}: read {got.unique()[:4].tolist()}, wrote {value}"
         manager.flush()  # nothing in flight: the next acquire really reads the disk
         fresh = manager.acquire("x")
-        assert fresh._request is not None and bool((fresh.wait() == 4.0).all())
+        assert fresh._request is not None and bool((fresh.wait() == value).all())
         manager.release(fresh, dirty=False)
     finally:
         manager.close()
@@ -164,6 +217,38 @@ def test_holding_every_buffer_and_acquiring_blocking_is_a_budget_error(tmp_path)
         manager.close()
 
 
+
+def test_a_held_nvme_segment_cannot_be_acquired_again(tmp_path):
+    """A second handle on a held NVMe segment would be a second copy in another ring buffer, and the last one
+    released dirty would overwrite the other's changes: acquiring (blocking or not, reading or not), reading or
+    writing it before its handle is released is an error naming it. The held handle is unharmed; after release it
+    can be acquired again. HOST homes hand out the home itself, any number of times."""
+    manager = nvme_manager(tmp_path, buffer_count=3)
+    manager.add("x", 1000, Tier.NVME)
+    manager.add("h", 10, Tier.HOST)
+    manager.open()
+    try:
+        manager.initialize("x", lambda t: t.fill_(1.0))
+        held = manager.acquire("x")
+        held.wait().fill_(2.0)
+        message = r"NVMe segment 'x' of offload_optimizer is held.*release its handle before"
+        for attempt in (lambda: manager.acquire("x"), lambda: manager.acquire("x", block=False),
+                        lambda: manager.acquire("x", read=False), lambda: manager.initialize("x", torch.Tensor.zero_),
+                        lambda: manager.read_into("x", torch.empty(1000)),
+                        lambda: manager.write_from("x", torch.zeros(1000)),
+                        lambda: manager.write_from("x", torch.zeros(1000), block=False)):  # fmt: skip
+            with pytest.raises(SegmentHeldError, match=message):
+                attempt()
+        assert manager.residency("x") is Residency.RESIDENT and bool((held.tensor == 2.0).all())
+        manager.release(held, dirty=True)
+        again = manager.acquire("x")
+        assert bool((again.wait() == 2.0).all())
+        manager.release(again, dirty=False)
+        assert manager.acquire("h").tensor.data_ptr() == manager.acquire("h").tensor.data_ptr()
+    finally:
+        manager.close()
+
+
 def test_stats_count_the_bytes_moved(tmp_path):
     sizes = {"a": 1000, "b": 3000, "c": 17}
     manager = nvme_manager(tmp_path, buffer_count=3)
@@ -193,6 +278,33 @@ def test_stats_count_the_bytes_moved(tmp_path):
         assert manager.window()["nvme_read"].bytes == 0
         assert manager.stats().held_bytes == {"nvme": total}
         assert "nvme" in manager.describe() and "staging ring 3 x" in manager.describe()
+    finally:
+        manager.close()
+
+
+
+def test_outsized_traffic_is_counted_apart(tmp_path):
+    """Segments larger than a ring buffer move around the ring (read_into / write_from): their traffic is in the
+    totals and, apart, under ``outsized``, so a caller can tell that path was taken."""
+    manager = nvme_manager(tmp_path, buffer_count=2)
+    manager.add("small", 1000, Tier.NVME)
+    manager.add("big", 3000, Tier.NVME)
+    manager.buffer_bytes = 4000  # "small" fits a ring buffer, "big" does not
+    manager.open()
+    try:
+        assert manager.fits("small") and not manager.fits("big")
+        for name, numel in (("small", 1000), ("big", 3000)):
+            manager.write_from(name, values(numel, 1))
+            out = torch.empty(numel)
+            manager.read_into(name, out)
+            assert torch.equal(out, values(numel, 1))
+        manager.write_from("big", values(3000, 2), block=False)
+        manager.flush()
+        stats = manager.stats()
+        outsized = {d: (t.bytes, t.requests) for d, t in stats.outsized.items()}
+        assert outsized == {"nvme_read": (12000, 1), "nvme_write": (24000, 2)}
+        assert (stats.traffic["nvme_read"].requests, stats.traffic["nvme_write"].requests) == (2, 3)
+        assert stats.as_dict()["outsized"]["nvme_write"]["requests"] == 2
     finally:
         manager.close()
 
