@@ -54,6 +54,7 @@ class FetchStats:
     gathered_numel: int = 0  # elements all-gathered, including for other ranks' needs
     peak_live_numel: int = 0  # most elements gathered or in flight at once (persistent ones excluded)
     blocked_s: float = 0.0  # time spent in exchanges, demand fetches and waits
+    read_ahead: int = 0  # offloaded (NVMe) pieces whose read was started ahead of their gather
     passes: int = 0
 
     @property
@@ -312,11 +313,10 @@ class Coordinator:
 
     # ---- internals ----
     def _reset_pass(self, *, grad_mode: bool) -> None:
-        trace = self._traces.get(grad_mode)
+        trace = self._traces.get(grad_mode)  # followed whatever the knobs: each one acts alone (schedule.py)
         self._pass = PassState(
-            grad_mode=grad_mode, trace=trace, on_trace=trace is not None and self.knobs.prefetch_numel > 0,
-            grads_left=list(self._grad_params),
-        )  # fmt: skip
+            grad_mode=grad_mode, trace=trace, on_trace=trace is not None, grads_left=list(self._grad_params)
+        )
         self._pass_number += 1
         self.stats = FetchStats()
 
@@ -359,14 +359,17 @@ class Coordinator:
     def _stage_ahead(self, position: int) -> None:
         """Offloaded shards (NVMe): start reading the pieces of the next units along the trace that are not
         gathered, as far as the staging buffers go (plan_swap_in: the look-ahead of the all-gathers, longer)."""
-        capacity = self.table.shards.staging_capacity
+        shards = self.table.shards
+        capacity = shards.staging_capacity
         if not capacity:
             return
-        kept = self.table.shards.kept  # pieces max_in_cpu keeps in host memory: nothing to read, no buffer taken
+        kept = shards.kept  # pieces max_in_cpu keeps in host memory: nothing to read, no buffer taken
         resident = (self._resident.live | kept) if kept else self._resident.live
+        before = shards.read_ahead
         for unit in plan_swap_in(self._pass.trace, position, resident=resident, limit=capacity):
-            if not self.table.shards.stage(unit):
-                return
+            if not shards.stage(unit):
+                break
+        self.stats.read_ahead += shards.read_ahead - before
 
     def _drain(self) -> None:
         """Answer other ranks' requests until every rank is done with its pass."""

@@ -11,6 +11,8 @@ No process, tensor or collective here; the coordinator feeds it positions and it
 - Release (stage3_max_reuse_distance): after a module runs, a unit stays gathered if its next use is within
   max_reuse_distance elements of traffic; otherwise it is released. A unit kept that way yields to a prefetch
   the live budget would otherwise block, when it is not used before the unit being prefetched.
+- Each knob acts alone: a prefetch budget of 0 stops the all-gathers ahead of use only; the trace is still
+  followed for the reuse decisions and for reading offloaded pieces ahead (plan_swap_in).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class Knobs:
     max_live_numel: int
-    prefetch_numel: int  # 0 disables prefetch
+    prefetch_numel: int  # 0 disables prefetch (and nothing else)
     max_reuse_distance: int
 
 
