@@ -1,4 +1,5 @@
-"""The pure ZeRO-3 planner: reuse distances, prefetch within budgets, trace signatures, each knob alone."""
+"""The pure ZeRO-3 planner: reuse distances, prefetch within budgets, trace signatures, each knob alone, the
+predicted order of gradient reductions."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from infinity.zero.schedule import (
     Knobs,
     Trace,
     keep_after_use,
+    order_signature,
     plan_prefetch,
     plan_swap_in,
+    reduce_order,
     used_between,
 )
 
@@ -98,3 +101,18 @@ def test_each_knob_moves_only_its_own_decision():
         assert plan_prefetch(TRACE, -1, resident=set(), live_numel=0, prefetched_numel=0,
                              knobs=knobs(live=30, reuse=reuse)) == ([0, 1], 2)  # fmt: skip
 
+
+def test_reductions_follow_the_forward_backwards():
+    """Units complete in backward in the reverse order of their first forward use: a model registered in
+    another order than it runs (unit 2 runs first here), a unit used twice (0: complete only after its first
+    use's backward), and the units no forward event uses (the persistent unit 0 of a model, an unused one)
+    last, last unit first."""
+    assert reduce_order([(2,), (0,), (3,), (0,)], 4) == [3, 0, 2, 1]
+    assert reduce_order([(4, 1), (2,)], 5) == [2, 1, 4, 3, 0]
+    assert reduce_order([], 3) == [2, 1, 0]  # the fallback: the fixed order
+
+
+def test_order_signature_tells_orders_apart():
+    assert order_signature([3, 0, 2, 1]) == order_signature(reduce_order([(2,), (0,), (3,)], 4))
+    assert order_signature([3, 0, 2, 1]) != order_signature([3, 0, 1, 2])
+    assert all(0 <= order_signature(order) < 1 << 62 for order in ([], [0], list(range(100))))
