@@ -10,10 +10,10 @@ it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed.
 [Note: fixed launch order]
 Buckets are launched in an order fixed before backward starts, and bucket k only after every bucket before it in
 that order: a collective is issued in the same sequence on every rank, whatever order the hooks fire in. Stages
-0-2 use reverse layout order (the order backward usually completes them). With overlap_comm the launches are
+0-2 use reverse layout order (the order backward usually completes them); with overlap_comm the launches are
 asynchronous and happen inside backward, as soon as the prefix is complete; without it they happen after
 backward. finish_backward() launches what is left (buckets with unused parameters contribute zeros) and waits
-for all of them.
+for all of them. Stage 3: [Note: launch order].
 
 [Note: launch order]
 Stage 3 launches in execution order, and inside backward with or without overlap_comm: a unit's fp32 bucket is
