@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 # Children fork from a server that has already imported torch and the engine: each run saves the ~1-2 s a
 # spawned interpreter spends importing them (the suite starts hundreds). The server itself never initializes
 # a process group or a thread pool, so what the children inherit is only the imported modules.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "infinity.engine", "tests.distributed.harness"]
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "infinity.engine", "tests.distributed.harness"]
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 

@@ -3,6 +3,7 @@ an exact resume, Ctrl-C, torchrun with two processes, and bad input (one line, e
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from infinity.memory import plan as memory_plan
 from infinity.train.main import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,9 +27,11 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _train(args: list[str], *, launcher: list[str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def _train(args: list[str], *, launcher: list[str] | None = None, timeout: float = 240,
+           env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     command = (launcher or [sys.executable, "-m", "infinity"]) + ["train", "--config", NVME_CONFIG, *SMALL, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
+                          cwd=REPO)  # fmt: skip
 
 
 def _swap_left(folder: str) -> list[str]:
@@ -59,12 +63,24 @@ def test_trains_saves_and_resumes_exactly(tmp_path):
     assert _swap_left(str(swap)) == []
 
 
-def _estimate_within_15_percent(measured: dict) -> None:
-    """infinity estimate's host RSS and swap bytes for the run above, against that run's own summary (peak RSS of
-    the process, bytes of its swap files)."""
+@functools.cache
+def _runtime_bytes(raw_json: str) -> int:
+    """The runtime's own RSS, measured once per config for this module's runs (a fresh process each time)."""
+    from infinity.estimate import runtime_bytes
+    from infinity.train import models
+
+    runtime = runtime_bytes(models.CATALOG["gpt2-tiny"], json.loads(raw_json))
+    assert runtime is not None
+    return runtime
+
+
+def _estimate_within_15_percent(measured: dict, *, world_size: int = 1, host_memory: int | None = None) -> None:
+    """infinity estimate's host RSS and swap bytes for the run above, against that run's own summary: the node's
+    peak RSS (every rank's peak added up), the bytes of its swap files. ``host_memory``: what the run was told the
+    node has (INFINITY_HOST_MEMORY_BYTES), which the plan divides among its ranks, as the estimate must."""
     import argparse
 
-    from infinity.estimate import plan_estimate, runtime_bytes
+    from infinity.estimate import plan_estimate
     from infinity.memory.budget import Where
     from infinity.train import models
     from infinity.train.main import _apply_dtype
@@ -73,13 +89,16 @@ def _estimate_within_15_percent(measured: dict) -> None:
     raw["train_micro_batch_size_per_gpu"] = 2
     _apply_dtype(raw, "auto", [])
     shape = models.CATALOG["gpt2-tiny"]
-    result, _ = plan_estimate(shape, raw, argparse.Namespace(world_size=1, seq_len=32))
-    runtime = runtime_bytes(shape, raw)
-    assert runtime is not None
-    predicted_rss = result.host_bytes(cuda=False) + runtime
-    assert abs(predicted_rss - measured["peak_rss_max"]) <= 0.15 * measured["peak_rss_max"], (predicted_rss, measured)
-    held = measured["io"]["held_nvme"]
-    assert abs(result.total(Where.NVME) - held) <= 0.15 * held, (result.total(Where.NVME), held)
+    args = argparse.Namespace(world_size=world_size, seq_len=32)
+    result, _ = plan_estimate(shape, raw, args, available=host_memory)
+    if host_memory is not None:
+        assert result.plan.host_share == host_memory // world_size  # each rank plans with its share of the node
+    runtime = _runtime_bytes(json.dumps(raw, sort_keys=True))
+    predicted_rss = (result.host_bytes(cuda=False) + runtime) * world_size
+    node_rss = measured["peak_rss_sum"]
+    assert abs(predicted_rss - node_rss) <= 0.15 * node_rss, (predicted_rss, measured)
+    held = measured["io"]["held_nvme"]  # summed over ranks
+    assert abs(result.total(Where.NVME) * world_size - held) <= 0.15 * held, (result.total(Where.NVME), held)
     # The model-dependent host part, on its own (at this size the runtime dominates the RSS): the staging rings
     # the estimate sizes from the units and tiles against the ones the engine allocated.
     rings = sum(row.nbytes for row in result.rows if "staging ring" in row.what)
@@ -108,14 +127,19 @@ def test_ctrl_c_stops_cleanly(tmp_path, signum, code):
 
 
 def test_torchrun_two_processes_one_summary(tmp_path):
+    """Two ranks on one node told it has 1 GiB of host memory: each plans with half (the summary's node RSS
+    against the estimate's for two ranks sharing that node)."""
     swap = tmp_path / "swap"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
                 "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "infinity"]  # fmt: skip
-    run = _train(["--steps", "2", "--nvme-path", str(swap)], launcher=launcher)
+    node = 1 << 30
+    run = _train(["--steps", "2", "--nvme-path", str(swap), "--summary-json", str(tmp_path / "summary.json")],
+                 launcher=launcher, env={memory_plan.HOST_MEMORY_ENV: str(node)})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("infinity train: done.") == 1  # rank 0 speaks for the run
     assert "world size 2" in run.stdout
     assert _swap_left(str(swap)) == []
+    _estimate_within_15_percent(json.loads((tmp_path / "summary.json").read_text()), world_size=2, host_memory=node)
 
 
 def _bad(capsys, *argv: str) -> str:
