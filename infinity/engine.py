@@ -30,7 +30,17 @@ from infinity.lr_schedules import build_schedule
 from infinity.memory.budget import Owner, stage3_units
 from infinity.memory.host import return_freed_memory, trim_heap
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
-from infinity.memory.plan import LayoutSizes, Node, Plan, check_room, make_plan, nvme_paths, survey, swap_need
+from infinity.memory.plan import (
+    LayoutSizes,
+    Node,
+    Plan,
+    SwapNeed,
+    check_room,
+    make_plan,
+    nvme_paths,
+    survey,
+    swap_need,
+)
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
@@ -402,10 +412,12 @@ class Engine(nn.Module):
         self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
                                     host_share=self.node.host_share, state_width=width)  # fmt: skip
         self._planned_units: tuple[tuple[int, int], ...] | None = None
+        self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         if not self.node.paths:
             return
         layout = self._layout_sizes(optimizer)
         need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)
+        self.swap_need = need
         check_room(self.node, need.by_path(), what="initialize(): the run's NVMe swap files", detail=need.describe())
 
     def _layout_sizes(self, optimizer: torch.optim.Optimizer | None) -> LayoutSizes:

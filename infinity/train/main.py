@@ -184,7 +184,7 @@ def _check_disk_room(args: argparse.Namespace, shape: models.ModelShape, config:
     shared = {}
     if args.save is not None:
         tags = _checkpoints(args)
-        shared[args.save] = (tags * estimate.checkpoint_bytes, f"checkpoints of --save ({tags} tags)")
+        shared[args.save] = (tags * estimate.checkpoint_bytes, f"--save: {tags} checkpoint(s)")
     if not per_rank and not shared:
         return
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's: the ranks of this node

@@ -96,13 +96,14 @@ def _estimate_within_15_percent(measured: dict, *, world_size: int = 1, host_mem
     runtime = _runtime_bytes(json.dumps(raw, sort_keys=True))
     predicted_rss = (result.host_bytes(cuda=False) + runtime) * world_size
     node_rss = measured["peak_rss_sum"]
+    print(f"node peak RSS {node_rss / 2**20:.0f} MiB, estimated {predicted_rss / 2**20:.0f} MiB")
     assert abs(predicted_rss - node_rss) <= 0.15 * node_rss, (predicted_rss, measured)
     held = measured["io"]["held_nvme"]  # summed over ranks
     assert abs(result.total(Where.NVME) * world_size - held) <= 0.15 * held, (result.total(Where.NVME), held)
     # The model-dependent host part, on its own (at this size the runtime dominates the RSS): the staging rings
     # the estimate sizes from the units and tiles against the ones the engine allocated.
-    rings = sum(row.nbytes for row in result.rows if "staging ring" in row.what)
-    staging = measured["io"]["staging"]
+    rings = sum(row.nbytes for row in result.rows if "staging ring" in row.what) * world_size
+    staging = measured["io"]["staging"]  # summed over ranks
     assert abs(rings - staging) <= 0.15 * staging, (rings, staging)
 
 
@@ -181,6 +182,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     batch.write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD"},
                                  "zero_optimization": {"stage": 1}}))  # fmt: skip
     assert "not divisible" in _bad(capsys, "--config", str(batch), "--micro-batch", "3")
+
+
+def test_a_run_the_disk_cannot_hold_fails_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """The whole run's need (every rank's swap files, zero.Init's copy beside them during initialize(), and each
+    checkpoint --save keeps) against the free space, before the model is built: one line, exit code 2. The free
+    space is read through infinity.memory.plan.disk_space, made small here (nothing is filled)."""
+    swap, save = tmp_path / "swap", tmp_path / "save"
+
+    def disks(*, swap_free: int, save_free: int):  # --save's folder on a disk of its own
+        def space(path: str):
+            path = os.path.abspath(path)
+            on_save = path.startswith(str(save))
+            return memory_plan.Disk(path, 2 if on_save else 1, save_free if on_save else swap_free, 200 << 30)
+
+        return space
+
+    monkeypatch.setattr(memory_plan, "disk_space", disks(swap_free=1 << 20, save_free=100 << 30))
+    err = _bad(capsys, "--config", NVME_CONFIG, *SMALL, "--nvme-path", str(swap), "--steps", "1")
+    assert "the run needs" in err and f"'{swap}'" in err and "zero.Init's copy" in err and "1.0 MiB free" in err
+    assert list(swap.iterdir()) == []
+
+    monkeypatch.setattr(memory_plan, "disk_space", disks(swap_free=100 << 30, save_free=1 << 20))
+    err = _bad(capsys, "--config", NVME_CONFIG, *SMALL, "--nvme-path", str(swap), "--steps", "5", "--save",
+               str(save), "--save-every", "2")  # fmt: skip
+    assert f"'{save}'" in err and "--save: 3 checkpoint(s)" in err and "1.0 MiB free" in err, err
+    assert list(swap.iterdir()) == [] and list(save.iterdir()) == []
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
