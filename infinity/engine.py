@@ -384,7 +384,7 @@ class Engine(nn.Module):
             self.zero_optimizer = UnitOptimizer(
                 torch_optimizer, comm=self.comm, table=self.stage3.table,
                 compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
-                sub_group_size=zero.sub_group_size,
+                sub_group_size=self.plan.tile_numel,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             self._keep_generate_in_step()

@@ -117,8 +117,8 @@ class Node:
 
     @property
     def local_ranks(self) -> int:
-        """Ranks on this rank's host (all ranks of a single-node run)."""
-        return self.ranks_on(self.ranks[self.rank].host)
+        """Ranks on a host: the most on any one (all ranks of a single-node run), the same on every rank."""
+        return max(self.ranks_on(facts.host) for facts in self.ranks)
 
     @property
     def host_share(self) -> int:
@@ -167,7 +167,7 @@ class Plan:
     """Every size two ranks must agree on, and each rank's share of the node's host memory ([Note: one plan])."""
 
     world_size: int
-    local_ranks: int  # ranks on the host (the most crowded one, for a plan every rank shares)
+    local_ranks: int  # ranks on a host (the most crowded one): what the host share was divided by, at most
     host_share: int  # bytes of host memory this rank plans with
     host_cache_bytes: int  # parameter pieces kept in host memory (max_in_cpu), at most
     staging_bytes: int  # each NVMe staging ring, and the outsized parameter pieces kept behind the step, at most
