@@ -29,6 +29,7 @@ from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.budget import Owner, stage3_units
 from infinity.memory.host import return_freed_memory, trim_heap
+from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
     LayoutSizes,
@@ -322,6 +323,13 @@ class Engine(nn.Module):
             raise
         self.optimizer = self.zero_optimizer
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
+        if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
+            plan = self.plan
+            logger.info(
+                "plan: %d rank(s) per host, %s of host memory each (max_in_cpu's pieces within %s, staging rings "
+                "within %s), optimizer tiles of <= %d elements", plan.local_ranks, _human(plan.host_share),
+                _human(plan.host_cache_bytes), _human(plan.staging_bytes), plan.tile_numel,
+            )  # fmt: skip
         if zero.offload_param.enabled and self.comm.rank == 0:
             logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
                         self.stage3.table.shards.describe())  # fmt: skip

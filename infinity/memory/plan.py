@@ -18,7 +18,9 @@ host: the minimum makes every rank agree, the division makes the ranks of a node
 holds the parameter pieces max_in_cpu keeps in host memory, and at most a sixteenth (and STAGING_BUDGET_BYTES)
 each of the NVMe staging rings (the parameters', the optimizer's with its gradients') and of the outsized pieces
 kept from the step to the next forward: under half of the share in all, the rest is left to activations, gathered
-units, gradient buckets and the runtime. On a node with 4 GiB or more per rank the rings keep their full budget.
+units, gradient buckets and the runtime. On a node with 4 GiB or more per rank the rings keep their full budget;
+on a very small share the optimizer's ring still holds tiles of MIN_TILE_NUMEL elements. At stages 1-2 a tile's
+new weights travel in gathers of at most allgather_bucket_size elements (all ranks' parts together).
 
 NVMe: the plan adds up every swap file's segments (each 4 KiB-aligned, as the store lays them out) for each
 rank, and ``check_room`` sets the ranks of each host against the free space of each filesystem before any
