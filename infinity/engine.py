@@ -416,7 +416,6 @@ class Engine(nn.Module):
         if optimizer is not None and zero.offload_optimizer.enabled:
             width = 1 + len(rule_for(optimizer).states)
             width += zero.stage == 3 and zero.offload_optimizer.device == "nvme"  # the gradient goes there too
-        self._state_width = width
         self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
                                     host_share=self.node.host_share, state_width=width)  # fmt: skip
         self._planned_units: tuple[tuple[int, int], ...] | None = None
