@@ -23,19 +23,34 @@ from torch import nn
 
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
-from infinity.errors import CheckpointError, ConfigError
+from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
+from infinity.memory.budget import Owner, stage3_units
 from infinity.memory.host import return_freed_memory, trim_heap
-from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers, parameter_shards, tile_numel
+from infinity.memory.nvme_store import _human
+from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
+from infinity.memory.plan import (
+    LayoutSizes,
+    Node,
+    Plan,
+    SwapNeed,
+    check_room,
+    make_plan,
+    nvme_paths,
+    survey,
+    swap_need,
+)
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
 from infinity.zero.optimizer import Offload, UnitOptimizer, ZeroOptimizer
+from infinity.zero.partition import plan as partition_plan
+from infinity.zero.shards import parameter_shards
 from infinity.zero.stage3 import Stage3, setup_stage3
 from infinity.zero.tiles import rule_for
-from infinity.zero.units import fill_units
+from infinity.zero.units import fill_units, parameter_owners
 
 logger = logging.getLogger("infinity")
 
@@ -295,6 +310,7 @@ class Engine(nn.Module):
                 "infinity.initialize(model=, config=) without one: it gives an InferenceEngine)"
             )
         self.stage3: Stage3 | None = None
+        self._plan_run(torch_optimizer)  # before anything is written: a run the disk cannot hold fails here
         nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
         run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
         offload = None
@@ -307,6 +323,13 @@ class Engine(nn.Module):
             raise
         self.optimizer = self.zero_optimizer
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
+        if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
+            plan = self.plan
+            logger.info(
+                "plan: %d rank(s) per host, %s of host memory each (max_in_cpu's pieces within %s, staging rings "
+                "within %s), optimizer tiles of <= %d elements", plan.local_ranks, _human(plan.host_share),
+                _human(plan.host_cache_bytes), _human(plan.staging_bytes), plan.tile_numel,
+            )  # fmt: skip
         if zero.offload_param.enabled and self.comm.rank == 0:
             logger.info("parameters offloaded to %s; rank 0 holds %s", zero.offload_param.device,
                         self.stage3.table.shards.describe())  # fmt: skip
@@ -351,6 +374,7 @@ class Engine(nn.Module):
         )
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
+        self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
             dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype
@@ -360,18 +384,15 @@ class Engine(nn.Module):
         """The ZeRO optimizer (and at stage 3 the units and their hooks) over the model."""
         zero = self.config.zero
         if zero.stage == 3:
-            make_shards = parameter_shards(
-                zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
-            )
             claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
             self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
-                make_shards=make_shards,
+                make_shards=self._make_shards(run_id),
             )  # fmt: skip
             self.zero_optimizer = UnitOptimizer(
                 torch_optimizer, comm=self.comm, table=self.stage3.table,
                 compute_dtype=self.compute_dtype, device=self.device, overlap_comm=zero.overlap_comm, offload=offload,
-                sub_group_size=zero.sub_group_size,
+                sub_group_size=self.plan.tile_numel,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             self._keep_generate_in_step()
@@ -386,6 +407,64 @@ class Engine(nn.Module):
                 device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
                 offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
+
+    def _plan_run(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The run's plan ([Note: one plan] in memory/plan.py) from the config, the node surveyed in _join and the
+        layout's sizes; with NVMe, every rank's swap files set against the free space before any is opened.
+        ``optimizer``: None for an inference engine. Also refuses an optimizer that offload cannot step."""
+        zero = self.config.zero
+        width = 0
+        if optimizer is not None and zero.offload_optimizer.enabled:
+            width = 1 + len(rule_for(optimizer).states)
+            width += zero.stage == 3 and zero.offload_optimizer.device == "nvme"  # the gradient goes there too
+        self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
+                                    host_share=self.node.host_share, state_width=width)  # fmt: skip
+        self._planned_units: tuple[tuple[int, int], ...] | None = None
+        self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
+        if not self.node.paths:
+            return
+        layout = self._layout_sizes(optimizer)
+        need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)
+        self.swap_need = need
+        check_room(self.node, need.by_path(), what="initialize(): the run's NVMe swap files", detail=need.describe())
+
+    def _layout_sizes(self, optimizer: torch.optim.Optimizer | None) -> LayoutSizes:
+        """The partition's sizes, as _partition will lay it out: stage 3's units (the same rule as
+        zero/units.py's build_units, checked against it in _make_shards), or the buckets of stages 1-2."""
+        zero = self.config.zero
+        if zero.stage == 3:
+            owners = [Owner(path=path, numels=tuple(_numel(p) for p in params),
+                            trainable=tuple(p.requires_grad for p in params))
+                      for path, _, params in parameter_owners(self.module) if params]  # fmt: skip
+            persistent, units = stage3_units(owners, zero, self.comm.world_size)
+            first = 1 if persistent else 0
+            self._planned_units = tuple((first + i, piece) for i, (_, piece) in enumerate(units))
+            runs = ([persistent // self.comm.world_size] if persistent else []) + [piece for _, piece in units]
+            return LayoutSizes(units=self._planned_units, runs=tuple(runs) if optimizer is not None else (),
+                               more_runs=sum(len(o.numels) for o in owners))  # fmt: skip
+        if optimizer is None:
+            return LayoutSizes()
+        layouts = partition_plan([[p.numel() for p in group["params"]] for group in optimizer.param_groups],
+                                 world_size=self.comm.world_size if zero.stage else 1,
+                                 bucket_numel=zero.reduce_bucket_size)  # fmt: skip
+        return LayoutSizes(runs=tuple(b.piece_numel for layout in layouts for b in layout.buckets))
+
+    def _make_shards(self, run_id: str | None):
+        """Stage 3's make_shards, with the plan's sizes; the units must be those the plan counted."""
+        make = parameter_shards(self.config.zero, self.config.aio, self.comm, run_id=run_id,
+                                dtype=self.compute_dtype, device=self.device, plan=self.plan)  # fmt: skip
+        planned = self._planned_units
+
+        def checked(layout, persistent: set[int]):
+            movable = tuple((b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent)
+            if planned is not None and movable != planned:
+                raise InfinityError(
+                    f"internal: the plan counted {len(planned)} units, the engine laid out {len(movable)} (or of "
+                    "other sizes): memory/budget.py stage3_units no longer follows zero/units.py build_units"
+                )
+            return make(layout, persistent)
+
+        return checked
 
     def _keep_generate_in_step(self) -> None:
         """Stage 3 at world size > 1: the model's generate() defaults synced_gpus to True while the engine lives
@@ -418,21 +497,22 @@ class Engine(nn.Module):
             logger.exception("cleaning up after a failed initialize()")
 
     def _optimizer_offload(self, optimizer: torch.optim.Optimizer, run_id: str | None) -> Offload | None:
-        spec = self.config.zero.offload_optimizer
+        """The optimizer's tiers, with the plan's tile size and gather bound (the same on every rank)."""
+        zero = self.config.zero
+        spec = zero.offload_optimizer
         if not spec.enabled:
             return None
-        width = 1 + len(rule_for(optimizer).states)  # also refuses an optimizer offload cannot run
         nvme = spec.device == "nvme"
-        manager, home = optimizer_tiers(self.config.zero, self.config.aio, self.comm, run_id=run_id)
-        gradients = gradient_tier(self.config.zero, self.config.aio, self.comm, run_id=run_id)
-        width += gradients is not None
+        where = {"rank": self.comm.rank, "run_id": run_id, "plan": self.plan}
+        manager, home = optimizer_tiers(zero, self.config.aio, **where)
         return Offload(
             manager=manager,
             home=home,
-            tile_numel=tile_numel(self.config.zero, state_width=width, nvme=nvme),
+            tile_numel=self.plan.tile_numel,
+            gather_numel=self.plan.gather_numel,
             pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
             pipeline_write=spec.pipeline_write or not nvme,
-            gradients=gradients,
+            gradients=gradient_tier(zero, self.config.aio, **where),
         )
 
     def _tier_managers(self) -> dict:
@@ -681,6 +761,12 @@ class Engine(nn.Module):
         for an engine still alive then, so a script may simply end."""
         _remove_hooks(self.zero_optimizer, self.stage3)
         self.distributed.close()
+
+
+def _numel(param: nn.Parameter) -> int:
+    """Elements of the whole parameter: a zero.Init placeholder has none and carries its count in ds_numel."""
+    numel = getattr(param, "ds_numel", None)
+    return numel if numel is not None and param.numel() == 0 else param.numel()
 
 
 def initialize(

@@ -12,9 +12,9 @@ import shutil
 import subprocess
 import sys
 
-from infinity.aio.buffers import available_host_bytes
 from infinity.config import AutoValues, ConfigError, load_json, parse_config
 from infinity.memory.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
+from infinity.memory.plan import host_memory_bytes
 
 GIB = 1 << 30
 PROG = "infinity estimate"
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="gpt2-tiny",
                         help="a named model (see infinity train --help) or a config .json")  # fmt: skip
     parser.add_argument("--config", required=True, help="the DeepSpeed-style JSON config the run would use")
-    parser.add_argument("--world-size", type=int, default=1, help="ranks (all on this machine, for the fit)")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="ranks, all on this machine: they share its host memory and disk")  # fmt: skip
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the config's")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
@@ -126,15 +127,16 @@ def _momentum_states(raw: dict) -> int:
 
 
 def plan_estimate(shape, raw: dict, args, *, owners_arch=None, available: int | None = None) -> tuple[Estimate, dict]:
-    """The estimate for one model under the config (raw, with the command line's overrides)."""
+    """The estimate for one model under the config (raw, with the command line's overrides); ``available``: the
+    node's host memory to plan with (default: this machine's), shared by ``args.world_size`` ranks."""
     import torch
 
     owners, arch = owners_arch or describe(shape)
     config = parse_config(raw, world_size=args.world_size, auto=AutoValues(hidden_size=arch.hidden or None))
     width = 2 if (config.bf16.enabled or config.fp16.enabled) else 4
     run = RunShape(world_size=args.world_size, micro_batch=config.train_micro_batch_size_per_gpu,
-                   seq_len=args.seq_len, dtype_bytes=width,
-                   host_available=available if available is not None else available_host_bytes())  # fmt: skip
+                   seq_len=args.seq_len, dtype_bytes=width, local_ranks=args.world_size,
+                   host_available=available if available is not None else host_memory_bytes())  # fmt: skip
     return estimate(owners, arch, config, run, cuda=torch.cuda.is_available(), momentum_states=_momentum_states(raw)), {
         "micro_batch": run.micro_batch, "dtype_bytes": width, "stage": config.zero.stage}
 
@@ -233,7 +235,7 @@ def _main(argv: list[str] | None) -> int:
     fixed = (f"{runtime / GIB:.3f} GiB runtime (python, torch, transformers, the engine: measured)" if measured
              else "the runtime (could not be measured)")  # fmt: skip
     lines.append(f"  host RSS      {_gib(host + runtime)}  = {host / GIB:.3f} GiB for the run{device} + {fixed}")
-    ram = available_host_bytes()
+    ram = host_memory_bytes()
     folder = _existing(_nvme_folder(raw, args.nvme_path))
     disk = shutil.disk_usage(folder).free if folder else None
     family = [m for m in models.family_members(shape.family)] if shape.name in models.CATALOG else []

@@ -28,7 +28,7 @@ from infinity.config import AUTO
 from infinity.engine import Engine, _cast_inputs, _remove_hooks, claim_model
 from infinity.errors import ConfigError
 from infinity.memory.host import trim_heap
-from infinity.memory.offload import agree_run_id, parameter_shards
+from infinity.memory.offload import agree_run_id
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
 from infinity.zero.stage3 import setup_stage3
@@ -101,15 +101,13 @@ class InferenceEngine(Engine):
         """Stage 3's units and hooks over the model, each rank's pieces in their home (device, host or NVMe);
         the values move in one unit at a time, as in training, with no optimizer masters to start."""
         zero = self.config.zero
+        self._plan_run(None)  # the plan's sizes; a run the disk cannot hold fails here, before anything is written
         run_id = agree_run_id(self.comm) if zero.offload_param.device == "nvme" else None
-        make_shards = parameter_shards(
-            zero, self.config.aio, self.comm, run_id=run_id, dtype=self.compute_dtype, device=self.device
-        )
         claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
         try:
             self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
-                make_shards=make_shards,
+                make_shards=self._make_shards(run_id),
             )  # fmt: skip
             self._keep_generate_in_step()
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole)

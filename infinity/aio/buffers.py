@@ -140,12 +140,70 @@ def free_hugetlb_bytes() -> int:
 
 
 def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo: what can be allocated without swapping."""
+    """What can be allocated without swapping: MemAvailable from /proc/meminfo, or less where the process's memory
+    cgroup (a container's limit) leaves less. Every size planned from host memory reads it here (through
+    infinity/memory/plan.py, which shares it among a node's ranks)."""
+    available = 0
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
+                break
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (cgroup v2): no limit
+
+
+def _stat(path: str, key: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
     return 0
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes the process's memory cgroup and its ancestors still allow (limit - usage + the inactive page cache,
+    which the kernel reclaims before it counts against the limit), the tightest of them; None without a limit.
+    cgroup v2 (memory.max, memory.current) and v1 (the memory controller's limit_in_bytes, usage_in_bytes)."""
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    layouts = []  # (folder of the process's cgroup, its mount, limit file, usage file, stat key)
+    for _, controllers, path in entries:
+        if controllers == "":
+            layouts.append((root, path, "memory.max", "memory.current", "inactive_file"))
+        elif "memory" in controllers.split(","):
+            layouts.append((os.path.join(root, "memory"), path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                            "total_inactive_file"))  # fmt: skip
+    rooms = []
+    for mount, path, limit_file, usage_file, cache_key in layouts:
+        folder = os.path.join(mount, path.lstrip("/"))
+        if not os.path.isdir(folder):  # a container sees its own cgroup as the mount's root
+            folder = mount
+        while True:
+            limit = _read_int(os.path.join(folder, limit_file))
+            usage = _read_int(os.path.join(folder, usage_file))
+            if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes "no limit" as ~2^63
+                rooms.append(max(limit - usage + _stat(os.path.join(folder, "memory.stat"), cache_key), 0))
+            if os.path.normpath(folder) == os.path.normpath(mount):
+                break
+            folder = os.path.dirname(folder)
+    return min(rooms) if rooms else None
 
 
 def _round_up(value: int, multiple: int) -> int:

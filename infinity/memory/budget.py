@@ -11,6 +11,9 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
   ring of tiles, and the gradient's ring when the gradient goes to NVMe with the optimizer), and the pieces too
   large for a ring buffer, kept from the step to the next forward within the same budget;
+- every size a run decides (tiles, rings, the host cache of max_in_cpu, the swap files' segments) is the plan's
+  (memory/plan.py, [Note: one plan]): the same functions the engine sizes its buffers with, so the estimate
+  follows the engine; the node's host memory is shared by ``RunShape.local_ranks`` ranks, as the engine shares it;
 - activations, an estimate for a transformer decoder: per layer and token h x (34 + 5 a s / h) bytes in
   16-bit (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"), scaled to the
   compute dtype and the MLP's width, plus the logits (compute dtype, the loss's fp32 copy and its gradient);
@@ -24,11 +27,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from infinity.config import Config
-from infinity.memory.offload import MIN_TILE_NUMEL, STAGING_BUDGET_BYTES
+from infinity.config import Config, ZeroConfig
+from infinity.memory.plan import (
+    LayoutSizes,
+    Plan,
+    SwapNeed,
+    make_plan,
+    outsized_kept,
+    place_parameters,
+    swap_need,
+)
 from infinity.zero.partition import layout_from_runs
-
-NVME_ALIGN = 4096  # each segment of a swap file starts on a 4 KiB boundary
+from infinity.zero.partition import plan as partition_plan
 
 
 class Where(enum.Enum):
@@ -64,7 +74,8 @@ class RunShape:
     micro_batch: int
     seq_len: int
     dtype_bytes: int  # the compute dtype's
-    host_available: int  # bytes: the engine caps its host caches (max_in_cpu, tiles) at a quarter of it
+    host_available: int  # bytes of the node's host memory the run plans with ([Note: one plan] in memory/plan.py)
+    local_ranks: int = 1  # the ranks that share it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,7 +91,13 @@ class Estimate:
     rows: list[Row]
     numel: int
     trainable_numel: int
-    nvme_during_init: int = 0  # zero.Init's copy of the parameter pieces, beside the engine's during initialize()
+    plan: Plan
+    swap: SwapNeed  # the rank's swap files, and zero.Init's copy beside them during initialize()
+    checkpoint_bytes: int = 0  # one checkpoint tag: fp32 masters and optimizer states, other parameters as they are
+
+    @property
+    def nvme_during_init(self) -> int:
+        return self.swap.init
 
     def total(self, where: Where) -> int:
         return sum(row.nbytes for row in self.rows if row.where is where)
@@ -99,9 +116,9 @@ def _home(device: str, pinned: bool, *, cuda: bool) -> Where:
     return Where.DEVICE
 
 
-def _stage3_units(owners: list[Owner], config: Config, world_size: int):
-    """(persistent numel, [(unit numel, piece numel)]) with the engine's rule and padding (zero/units.py)."""
-    zero = config.zero
+def stage3_units(owners: list[Owner], zero: ZeroConfig, world_size: int) -> tuple[int, list[tuple[int, int]]]:
+    """(persistent unit's padded numel, [(unit numel, piece numel)] of the others) with the engine's rule and
+    padding (zero/units.py build_units; the engine checks that they agree)."""
     persistent, per_module = [], []
     persistent_numel = 0
     for owner in owners:
@@ -132,7 +149,7 @@ def _stage3_gradient_buckets(owners: list[Owner], config: Config, world_size: in
     unit's (filled all through backward), the unit whose gradients are arriving, and those being reduced: with
     overlap_comm up to reduce_bucket_size elements (at least one unit) while peers catch up, none left at world
     size 1; without overlap_comm one unit."""
-    persistent, units = _stage3_units(owners, config, world_size)
+    persistent, units = stage3_units(owners, config.zero, world_size)
     sizes = [numel for numel, _ in units]
     largest = max(sizes, default=0)
     reducing = largest
@@ -142,8 +159,11 @@ def _stage3_gradient_buckets(owners: list[Owner], config: Config, world_size: in
                (persistent + largest + reducing) * 4)  # fmt: skip
 
 
-def _round(nbytes: int, align: int = NVME_ALIGN) -> int:
-    return -(-nbytes // align) * align
+def _init_pieces(owners: list[Owner], world_size: int) -> tuple[int, ...]:
+    """zero.Init's piece of every parameter (each padded and cut on its own: zero/init.py)."""
+    numels = [numel for owner in owners for numel in owner.numels]
+    layout = layout_from_runs(0, numels, [[i] for i in range(len(numels))], world_size=world_size)
+    return tuple(bucket.piece_numel for bucket in layout.buckets)
 
 
 def _activations(arch: Architecture, shape: RunShape) -> list[Row]:
@@ -168,43 +188,49 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     offload_opt, offload_param = zero.offload_optimizer, zero.offload_param
     opt_home = _home(offload_opt.device, offload_opt.pin_memory, cuda=cuda)
     share = trainable if zero.stage == 0 else -(-trainable // n)  # elements of the optimizer this rank holds
-    nvme_during_init = 0
+    grad_on_nvme = zero.stage == 3 and offload_opt.device == "nvme"
+    state_width = 1 + momentum_states + grad_on_nvme if offload_opt.enabled else 0
+    plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
+                     host_share=shape.host_available // shape.local_ranks)  # fmt: skip
+
+    # ---- the layout's sizes, as the engine lays it out ----
+    if zero.stage == 3:
+        persistent, units = stage3_units(owners, zero, n)
+        first = 1 if persistent else 0
+        movable = tuple((first + i, piece) for i, (_, piece) in enumerate(units))
+        runs = ([persistent // n] if persistent else []) + [piece for _, piece in units]
+        layout = LayoutSizes(units=movable, runs=tuple(runs), more_runs=sum(len(o.numels) for o in owners),
+                             init_pieces=_init_pieces(owners, n))  # fmt: skip
+    else:
+        trained = [x for o in owners for x, t in zip(o.numels, o.trainable, strict=True) if t]
+        buckets = partition_plan([trained], world_size=n if zero.stage else 1, bucket_numel=zero.reduce_bucket_size)
+        layout = LayoutSizes(runs=tuple(b.piece_numel for b in buckets[0].buckets))
+    swap = swap_need(plan, zero, layout, state_width=state_width, param_itemsize=width)
 
     # ---- parameters ----
     if zero.stage == 3:
-        persistent, units = _stage3_units(owners, config, n)
         param_home = _home(offload_param.device, offload_param.pin_memory, cuda=cuda)
         pieces = [piece for _, piece in units]
         if param_home is Where.NVME:
-            cap = min(offload_param.max_in_cpu, shape.host_available // 4 // width)
-            kept, total = [], 0  # the engine's rule: pieces in the model's order while they fit (zero/shards.py)
-            for piece in pieces:
-                fits = cap > 0 and total + piece <= cap
-                kept.append(fits)
-                total += piece if fits else 0
-            on_nvme = sum(_round(p * width) for p, k in zip(pieces, kept, strict=True) if not k)
-            rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", Where.NVME, on_nvme))
-            if total:
-                rows.append(Row("model states", "parameter pieces kept in host memory (max_in_cpu)",
-                                _home("cpu", offload_param.pin_memory, cuda=cuda), total * width))  # fmt: skip
-            count = max(offload_param.buffer_count, 1)
-            cap_bytes = STAGING_BUDGET_BYTES // count
-            if offload_param.buffer_size:
-                cap_bytes = min(cap_bytes, offload_param.buffer_size * width)
-            nvme_bytes = [p * width for p, k in zip(pieces, kept, strict=True) if not k]
+            placement = place_parameters(movable, itemsize=width, host_numel=plan.host_cache_numel(zero, width),
+                                         staging_bytes=plan.staging_bytes, buffer_count=plan.param_buffers,
+                                         max_piece_numel=offload_param.buffer_size)  # fmt: skip
+            rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", Where.NVME,
+                            swap.parameters))  # fmt: skip
+            piece_of = dict(movable)
+            kept = sum(piece_of[index] for index in placement.kept)
             home = _home("cpu", offload_param.pin_memory, cuda=cuda)
-            if nvme_bytes:  # the ring is sized from the pieces on NVMe, as zero/shards.py sizes it
-                fitting = [b for b in nvme_bytes if b <= cap_bytes]
-                ring = count * (max(fitting) if fitting else cap_bytes)
-                rows.append(Row("buffers", f"parameter staging ring ({count} buffers)", home, ring))
-            outsized = 0  # written behind the step and kept for the next forward: whole pieces, within the budget
-            for nbytes in (b for b in nvme_bytes if b > cap_bytes):
-                if outsized + nbytes <= STAGING_BUDGET_BYTES:
-                    outsized += nbytes
+            if kept:
+                rows.append(Row("model states", "parameter pieces kept in host memory (max_in_cpu)", home,
+                                kept * width))  # fmt: skip
+            if placement.on_nvme:  # the ring is sized from the pieces on NVMe, as zero/shards.py sizes it
+                rows.append(Row("buffers", f"parameter staging ring ({plan.param_buffers} buffers)", home,
+                                plan.param_buffers * placement.buffer_bytes))  # fmt: skip
+            nvme_bytes = [piece_of[index] * width for index in placement.on_nvme]
+            outsized = outsized_kept((b for b in nvme_bytes if b > placement.buffer_bytes), plan.staging_bytes)
             if outsized:
                 rows.append(Row("buffers", "outsized parameter pieces kept from the step to the next forward", home,
                                 outsized))  # fmt: skip
-            nvme_during_init = on_nvme  # zero.Init's store holds a copy until initialize() regroups it
         else:
             rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", param_home,
                             sum(pieces) * width))  # fmt: skip
@@ -219,15 +245,18 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         rows.append(Row("model states", "parameters (whole on every rank)", Where.DEVICE, numel * width))
 
     # ---- fp32 masters and optimizer states ----
-    masters_are_weights = width == 4 and not offload_opt.enabled
-    if not masters_are_weights:
-        rows.append(Row("model states", "fp32 master weights", opt_home, share * 4))
-    if momentum_states:
-        rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
-                        share * 4 * momentum_states))  # fmt: skip
+    if opt_home is Where.NVME:  # tiles [master | states], each segment 4 KiB-aligned
+        rows.append(Row("model states", f"fp32 master weights and optimizer states ({momentum_states} fp32 per "
+                        f"element), tiles of <= {plan.tile_numel:,} elements", Where.NVME, swap.optimizer))  # fmt: skip
+    else:
+        masters_are_weights = width == 4 and not offload_opt.enabled
+        if not masters_are_weights:
+            rows.append(Row("model states", "fp32 master weights", opt_home, share * 4))
+        if momentum_states:
+            rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
+                            share * 4 * momentum_states))  # fmt: skip
 
     # ---- gradients: the reduced fp32 gradient is on the compute device, or on NVMe with the optimizer at stage 3 ----
-    grad_on_nvme = zero.stage == 3 and offload_opt.device == "nvme"
     if zero.stage <= 1:
         rows.append(Row("model states", "fp32 gradient buffers (whole: all-reduced at the boundary)", Where.DEVICE,
                         trainable * 4))  # fmt: skip
@@ -235,7 +264,7 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
                         Where.DEVICE, share * 4))  # fmt: skip
     else:
         home = Where.NVME if grad_on_nvme else Where.DEVICE
-        grad_bytes = _round(share * 4) if grad_on_nvme else share * 4
+        grad_bytes = swap.gradients if grad_on_nvme else share * 4
         rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:
             in_flight = min(trainable, 2 * zero.reduce_bucket_size)
@@ -243,17 +272,10 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         else:
             rows.append(_stage3_gradient_buckets(owners, config, n))
 
-    # ---- the optimizer's NVMe rings ----
+    # ---- the optimizer's NVMe rings: buffers of the largest tile (tiles never cross a unit or a bucket) ----
     if offload_opt.device == "nvme":
-        count = max(offload_opt.buffer_count, 3)
-        width_states = 1 + momentum_states + (1 if grad_on_nvme else 0)
-        budget = min(STAGING_BUDGET_BYTES, shape.host_available // 4)
-        # tiles never cross a unit (stage 3) or a bucket (stages 1-2): the ring's buffers are the largest tile
-        if zero.stage == 3:
-            largest_run = max((piece for _, piece in _stage3_units(owners, config, n)[1]), default=share)
-        else:
-            largest_run = min(share, -(-zero.reduce_bucket_size // n))
-        tile = min(zero.sub_group_size, max(budget // (count * width_states * 4), MIN_TILE_NUMEL), largest_run)
+        count = plan.optimizer_buffers
+        tile = min(plan.tile_numel, max(layout.runs, default=0))
         ring_home = _home("cpu", offload_opt.pin_memory, cuda=cuda)
         rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
                         count * tile * (1 + momentum_states) * 4))  # fmt: skip
@@ -261,4 +283,6 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
 
     rows += _activations(arch, shape)
-    return Estimate(rows=rows, numel=numel, trainable_numel=trainable, nvme_during_init=nvme_during_init)
+    checkpoint = trainable * (1 + momentum_states) * 4 + (numel - trainable) * width
+    return Estimate(rows=rows, numel=numel, trainable_numel=trainable, plan=plan, swap=swap,
+                    checkpoint_bytes=checkpoint)  # fmt: skip

@@ -1,37 +1,28 @@
-"""From the offload_optimizer config to a tier manager and tile size: the policy of how big and where.
+"""From the offload sections to tier managers: the swap store of each kind (parameters, optimizer, gradients) and
+its staging ring, and the run id that names their folders.
 
-Tile size ([Note: tiles] in zero/tiles.py). Host-memory homes: ``sub_group_size`` elements (DeepSpeed's knob),
-tiles only split the work. NVMe homes: the ring holds ``buffer_count`` tiles of [master | states] in host memory,
-so a tile is at most ``sub_group_size`` elements and at most what keeps the ring within STAGING_BUDGET_BYTES
-(and a quarter of the host memory available now). DeepSpeed sizes its buffers from sub_group_size alone
-(default 1e9 elements): on a 124M model its ring takes gigabytes. Here the default never does: a tile of
-~5.6M elements (Adam: 64 MiB) is still 64 requests of the default 1 MiB aio block, enough to keep the queue full.
-
-Parameters on NVMe: offload_param.max_in_cpu elements of the rank's pieces stay in host memory ([Note: unit shards]
-in zero/shards.py), at most what a quarter of the host memory available now holds, so the default (1e9 elements,
-DeepSpeed's) never exhausts RAM.
+Every size here (ring depth, tile size, the host caches) is the plan's (memory/plan.py, [Note: one plan]), decided
+once for every rank; this module decides none. It sits below zero/: the process group is only used (``comm`` is
+anything with ``rank``, ``active`` and ``group``), and what a tier holds is its owners' business.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
-from infinity.aio.buffers import available_host_bytes
 from infinity.aio.handle import AioHandle, AioSettings
 from infinity.config import ZeroConfig
 from infinity.memory.nvme_store import NvmeStore, default_run_id
+from infinity.memory.plan import Plan
 from infinity.memory.tiers import Tier, TierManager
-from infinity.zero.collectives import Comm
-from infinity.zero.partition import GroupLayout
-from infinity.zero.shards import UnitShards
+
+if TYPE_CHECKING:
+    from infinity.zero.collectives import Comm
 
 logger = logging.getLogger("infinity")
-
-STAGING_BUDGET_BYTES = 256 << 20
-MIN_TILE_NUMEL = 1 << 20
 
 
 def agree_run_id(comm: Comm) -> str:
@@ -42,62 +33,47 @@ def agree_run_id(comm: Comm) -> str:
     return ids[0]
 
 
-def tile_numel(zero: ZeroConfig, *, state_width: int, nvme: bool) -> int:
-    """Elements per tile; ``state_width``: fp32 tensors per element in host buffers (master + optimizer states,
-    + the gradient when it is on NVMe too: its ring is as deep)."""
-    if not nvme:
-        return zero.sub_group_size
-    count = max(zero.offload_optimizer.buffer_count, 3)  # the ring optimizer_tiers makes
-    budget = min(STAGING_BUDGET_BYTES, available_host_bytes() // 4)
-    cap = max(budget // (count * state_width * 4), MIN_TILE_NUMEL)
-    return min(zero.sub_group_size, cap)
+def _nvme_manager(path: str, aio: AioSettings, *, rank: int, run_id: str, kind: str, buffers: int, pin: bool,
+                  owner: str | None = None) -> TierManager:  # fmt: skip
+    handle = AioHandle.from_settings(aio)
+    store = NvmeStore(path, handle=handle, rank=rank, run_id=f"{run_id}-{kind}")
+    extra = {} if owner is None else {"owner": owner}
+    return TierManager(store=store, handle=handle, buffer_count=buffers, pin_memory=pin, **extra)
 
 
-def host_cache_numel(zero: ZeroConfig, dtype: torch.dtype) -> int:
-    """Elements of parameter pieces kept in host memory in front of NVMe: max_in_cpu, within the host budget."""
-    return min(zero.offload_param.max_in_cpu, available_host_bytes() // 4 // dtype.itemsize)
-
-
-def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None, dtype: torch.dtype,
-                     device: torch.device):  # fmt: skip
-    """make_shards for build_units: the home offload_param gives the rank's parameter shard ([Note: unit shards])."""
+def parameter_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str | None,
+                   plan: Plan) -> tuple[Tier, TierManager | None]:  # fmt: skip
+    """Stage 3: the home offload_param gives the rank's parameter pieces, and its manager (none on the device)."""
     spec = zero.offload_param
-
-    def make(layout: GroupLayout, persistent: set[int]) -> UnitShards:
-        common = {"dtype": dtype, "device": device, "persistent": persistent, "rank": comm.rank}
-        if spec.device == "none":
-            return UnitShards(layout, home=Tier.DEVICE, **common)
-        if spec.device == "cpu":
-            return UnitShards(layout, home=Tier.HOST, manager=TierManager(pin_memory=spec.pin_memory), **common)
-        handle = AioHandle.from_settings(aio)
-        store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-params")
-        manager = TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 1),
-                              pin_memory=spec.pin_memory, owner="offload_param")  # fmt: skip
-        return UnitShards(layout, home=Tier.NVME, manager=manager, max_piece_numel=spec.buffer_size,
-                          host_numel=host_cache_numel(zero, dtype), **common)  # fmt: skip
-
-    return make
+    if spec.device == "none":
+        return Tier.DEVICE, None
+    if spec.device == "cpu":
+        return Tier.HOST, TierManager(pin_memory=spec.pin_memory)
+    manager = _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="params", buffers=plan.param_buffers,
+                            pin=spec.pin_memory, owner="offload_param")  # fmt: skip
+    return Tier.NVME, manager
 
 
-def gradient_tier(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None) -> TierManager | None:
+def gradient_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str | None,
+                  plan: Plan) -> TierManager | None:  # fmt: skip
     """Stage 3 with the optimizer on NVMe: the gradient's tier ([Note: swapped gradients] in zero/grads.py), a
     ring as deep as the optimizer's (a tile's gradient is read ahead with its states)."""
     spec = zero.offload_optimizer
     if zero.stage != 3 or spec.device != "nvme":
         return None
-    handle = AioHandle.from_settings(aio)
-    store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-gradients")
-    return TierManager(store=store, handle=handle, buffer_count=max(spec.buffer_count, 3), pin_memory=spec.pin_memory)
+    return _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="gradients",
+                         buffers=plan.optimizer_buffers, pin=spec.pin_memory)  # fmt: skip
 
 
-def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None) -> tuple[TierManager, Tier]:
+def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str | None,
+                    plan: Plan) -> tuple[TierManager, Tier]:  # fmt: skip
     """The tier manager for offload_optimizer: host homes (device cpu) or the rank's swap store (nvme)."""
     spec = zero.offload_optimizer
     if spec.device != "nvme":
         return TierManager(pin_memory=spec.pin_memory), Tier.HOST
-    handle = AioHandle.from_settings(aio)
-    store = NvmeStore(spec.nvme_path, handle=handle, rank=comm.rank, run_id=f"{run_id}-optimizer")
-    count = max(spec.buffer_count, 3)  # one tile stepping, one reading ahead, one writing behind
-    if count != spec.buffer_count and comm.rank == 0:
-        logger.info("offload_optimizer.buffer_count %d raised to 3 (reading, stepping, writing)", spec.buffer_count)
-    return TierManager(store=store, handle=handle, buffer_count=count, pin_memory=spec.pin_memory), Tier.NVME
+    if plan.optimizer_buffers != spec.buffer_count and rank == 0:
+        logger.info("offload_optimizer.buffer_count %d raised to %d (reading, stepping, writing)", spec.buffer_count,
+                    plan.optimizer_buffers)  # fmt: skip
+    manager = _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="optimizer",
+                            buffers=plan.optimizer_buffers, pin=spec.pin_memory)  # fmt: skip
+    return manager, Tier.NVME

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from infinity.config import AutoError, AutoValues, load_json, parse_config
-from infinity.errors import CheckpointError, ConfigError, InfinityError
+from infinity.errors import CheckpointError, ConfigError, InfinityError, TierBudgetError
 from infinity.train import models, resume
 from infinity.train.data import DataError, token_source
 from infinity.train.plan import Plan
@@ -187,6 +187,35 @@ def _check_resume(path: str, steps: int) -> None:
                          f"no further: raise --steps above {step}")  # fmt: skip
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    """Tags --save writes: one every --save-every steps before the last, and one at the end."""
+    return (args.steps - 1) // args.save_every + 1 if args.save_every else 1
+
+
+def _check_disk_room(args: argparse.Namespace, shape: models.ModelShape, config: dict, world_size: int) -> None:
+    """The whole run's disk need against the free space, before anything is built: each rank's swap files and
+    zero.Init's copy beside them while initialize() takes it (the plan's sizes, as `infinity estimate` counts
+    them: infinity/memory/plan.py), and --save's checkpoints (all of them: each tag is kept)."""
+    from infinity.estimate import plan_estimate
+    from infinity.memory.plan import check_room, this_machine
+
+    estimate, _ = plan_estimate(shape, config, argparse.Namespace(world_size=world_size, seq_len=args.seq_len))
+    per_rank = estimate.swap.by_path(with_init=True)
+    shared = {}
+    if args.save is not None:
+        tags = _checkpoints(args)
+        shared[args.save] = (tags * estimate.checkpoint_bytes, f"--save: {tags} checkpoint(s)")
+    if not per_rank and not shared:
+        return
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))  # torchrun's: the ranks of this node
+    try:
+        check_room(this_machine([*per_rank, *shared], ranks=local_ranks), per_rank, shared=shared, what="the run",
+                   detail=estimate.swap.describe(with_init=True),
+                   advice="free space there, point --nvme-path (or --save) at a larger disk, or offload less to NVMe")
+    except TierBudgetError as e:
+        raise UsageError(str(e)) from None
+
+
 def plan(args: argparse.Namespace) -> Plan:
     """Every check that builds nothing real: bad input fails here, in seconds, with the key or value named."""
     if args.steps < 1:
@@ -239,6 +268,7 @@ def plan(args: argparse.Namespace) -> Plan:
         if not os.path.isdir(folder) or os.path.isdir(args.summary_json):
             raise UsageError(f"--summary-json {args.summary_json!r}: its folder must exist and it must not be one")
         _check_folder(folder, "--summary-json's folder", create=False)
+    _check_disk_room(args, shape, config, world_size)
     return Plan(args=args, shape=shape, config=config, world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                 notes=notes, nvme_paths=nvme_paths, vocab_size=vocab_size, numel=numel)  # fmt: skip
 

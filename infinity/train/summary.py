@@ -67,6 +67,7 @@ class Summary:
     tokens_per_s: float
     peak_rss_max: float
     peak_rss_rank0: float
+    peak_rss_sum: float  # every rank's peak added up: what the node held at most (ranks of one node)
     io: IoTotals  # summed over ranks
     blocked_s_max: float
     disk_busy_s: float | None
@@ -81,6 +82,7 @@ class Summary:
         summed = _across_ranks(engine, [io.read.get(o, 0) for o in owners] + [io.written.get(o, 0) for o in owners]
                                + [io.held_nvme, io.staging], all_reduce_sum_)  # fmt: skip
         rss_max, blocked_max = _across_ranks(engine, [float(peak_rss), io.blocked_s], all_reduce_max_)
+        (rss_sum,) = _across_ranks(engine, [float(peak_rss)], all_reduce_sum_)
         n = len(owners)
         io_sum = IoTotals(read=dict(zip(owners, summed[:n], strict=True)),
                           written=dict(zip(owners, summed[n : 2 * n], strict=True)),
@@ -93,7 +95,8 @@ class Summary:
         return cls(heading=heading, losses=losses, first_step=first_step, total_s=total_s, loop_s=loop_s,
                    median_step_s=median_step_s,
                    tokens_per_s=tokens_per_step / median_step_s if median_step_s else 0.0,
-                   peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), io=io_sum, blocked_s_max=blocked_max,
+                   peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), peak_rss_sum=rss_sum, io=io_sum,
+                   blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint)  # fmt: skip
 
     def as_dict(self) -> dict:

@@ -49,6 +49,7 @@ from infinity.aio.handle import AioSettings
 from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
 from infinity.memory.host import return_freed_memory
+from infinity.memory.plan import check_init_piece
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
 from infinity.zero.partition import layout_from_runs
@@ -106,7 +107,9 @@ class InitSwap:
         name = f"piece{next(self._names)}"
         with self._agreed(f"writing the piece of {owner} to NVMe"):
             try:
-                self.store.append(name, piece.numel() * piece.element_size())
+                nbytes = piece.numel() * piece.element_size()
+                check_init_piece(self.store.nvme_path, nbytes)  # the model's size is unknown here: a floor
+                self.store.append(name, nbytes)
             except InfinityError as error:
                 error.add_note(f"zero.Init was writing the piece of {owner}")
                 raise

@@ -40,10 +40,11 @@ class Offload:
 
     manager: TierManager
     home: Tier  # HOST or NVME
-    tile_numel: int
+    tile_numel: int  # the plan's: every rank cuts the same tiles ([Note: one plan] in memory/plan.py)
     pipeline_read: bool
     pipeline_write: bool
     gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
+    gather_numel: int | None = None  # stages 1-2: elements per rank in one gather of new weights (None: a tile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,13 +224,14 @@ MAX_TILE_GATHERS = 2
 
 @dataclass(slots=True)
 class _TileGather:
-    """One tile's weights on their way from every rank (ZeroOptimizer._step_tiles)."""
+    """A tile's weights (or a part of them, within allgather_bucket_size) on their way from every rank
+    (ZeroOptimizer._step_tiles)."""
 
     pending: collectives.Pending
-    gathered: torch.Tensor  # (world_size * numel,): rank r's tile at [r * numel, (r + 1) * numel)
+    gathered: torch.Tensor  # (world_size * numel,): rank r's part at [r * numel, (r + 1) * numel)
     flat: torch.Tensor  # the bucket's weights
     bucket: Bucket
-    offset: int  # the tile's first element within each rank's piece
+    offset: int  # the part's first element within each rank's piece
     numel: int
 
     def land(self, own_rank: int) -> None:
@@ -282,6 +284,8 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.masters: list[nn.Parameter] = []
         self._master_at: list[tuple[int, int]] = []  # per master: (group, first element in the group's shard)
         self.masters_are_weights = offload is None and compute_dtype == torch.float32
+        self.gather_numel = None if offload is None else offload.gather_numel
+        self.largest_gather_numel = 0  # the most elements one tile gather held (world size x its part)
         if offload is not None:
             runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
                     for b in layout.buckets]  # fmt: skip
@@ -359,27 +363,32 @@ class ZeroOptimizer(PartitionedOptimizer):
 
     def _step_tiles(self) -> None:
         """Each tile's new weights are all-gathered from every rank as soon as it has stepped, behind the following
-        tiles' reads and writes (every rank cuts its piece of a bucket into tiles at the same offsets, so tile k
-        of each rank covers the same range of its piece). A bucket gathered whole after its last tile would keep
-        the disk idle while it travels (measured: stage 2 with one 124M-element bucket, world size 2, disk busy
-        69% of the step). At most MAX_TILE_GATHERS are in flight, each holding world_size x the tile."""
+        tiles' reads and writes (every rank cuts its piece of a bucket into the plan's tiles, at the same offsets,
+        so tile k of each rank covers the same range of its piece: [Note: one plan] in memory/plan.py). A bucket
+        gathered whole after its last tile would keep the disk idle while it travels (measured: stage 2 with one
+        124M-element bucket, world size 2, disk busy 69% of the step). A gather holds world_size x its part of
+        the tile: allgather_bucket_size elements at most (the plan's gather_numel per rank), so a tile larger
+        than that travels in parts. At most MAX_TILE_GATHERS are in flight."""
         if not self.comm.active:
             self.tiled.step(self.optimizer.param_groups)
             return
         pending: deque[_TileGather] = deque()
+        world = self.comm.world_size
 
         def on_tile(tile: Tile) -> None:
             bucket = self.layouts[tile.group].buckets[tile.piece]
             flat = self.weights[tile.group][tile.piece]
-            offset = tile.start - bucket.shard_offset  # within each rank's piece
-            mine = bucket.piece_range(self.shard_rank)[0] + offset
-            gathered = torch.empty(tile.numel * self.comm.world_size, dtype=flat.dtype, device=flat.device)
-            handle = collectives.all_gather_pieces(
-                self.comm, gathered, flat[mine : mine + tile.numel], async_op=True
-            )
-            pending.append(_TileGather(handle, gathered, flat, bucket, offset, tile.numel))
-            while len(pending) > MAX_TILE_GATHERS:
-                pending.popleft().land(self.shard_rank)
+            part = tile.numel if self.gather_numel is None else self.gather_numel
+            for first in range(0, tile.numel, part):
+                numel = min(part, tile.numel - first)
+                offset = tile.start - bucket.shard_offset + first  # within each rank's piece
+                mine = bucket.piece_range(self.shard_rank)[0] + offset
+                gathered = torch.empty(numel * world, dtype=flat.dtype, device=flat.device)
+                self.largest_gather_numel = max(self.largest_gather_numel, gathered.numel())
+                handle = collectives.all_gather_pieces(self.comm, gathered, flat[mine : mine + numel], async_op=True)
+                pending.append(_TileGather(handle, gathered, flat, bucket, offset, numel))
+                while len(pending) > MAX_TILE_GATHERS:
+                    pending.popleft().land(self.shard_rank)
 
         self.tiled.step(self.optimizer.param_groups, on_tile)
         while pending:

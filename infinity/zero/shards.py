@@ -22,9 +22,10 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   staged, so the ring is sized from the NVMe pieces alone. Static, not LRU: every step reads every unit in the
   same cyclic order (forward, then backward), and LRU over a cyclic scan larger than the cache evicts each unit
   just before its next use and misses on every access; a fixed subset hits on all of its units. The cap is
-  max_in_cpu elements of this rank's pieces, at most what a quarter of the host memory available at start
-  holds (memory/offload.py), so the default (1e9) keeps small models wholly in memory without exhausting RAM
-  on large ones; 0 sends every piece to NVMe.
+  max_in_cpu elements of this rank's pieces, at most what a quarter of the rank's share of the node's host
+  memory holds ([Note: one plan] in memory/plan.py), so the default (1e9) keeps small models wholly in memory
+  without exhausting RAM on large ones; 0 sends every piece to NVMe. Which pieces stay, and the ring's buffer
+  size, are the plan's (``place_parameters``), so `infinity estimate` counts what this keeps.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
 writes it (asynchronously, behind the next tiles). Read-ahead copies are dropped at the end of every pass,
 so a staged piece is never older than the one on disk.
@@ -32,27 +33,19 @@ so a staged piece is never older than the one on disk.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
+from infinity.aio.handle import AioSettings
+from infinity.config import ZeroConfig
 from infinity.memory.copies import CopyStream
 from infinity.memory.nvme_store import _human
+from infinity.memory.offload import parameter_tier
+from infinity.memory.plan import STAGING_BUDGET_BYTES, Plan, host_kept, place_parameters
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
+from infinity.zero.collectives import Comm
 from infinity.zero.partition import GroupLayout
 
-
-def host_kept(pieces: Iterable[tuple[int, int]], cap: int) -> set[int]:
-    """The units whose pieces stay in host memory (offload_param.max_in_cpu): ``pieces`` are (unit, elements) in
-    the units' order; each piece is kept when the running total of kept elements stays within ``cap``, so a
-    piece too large to fit is skipped and later, smaller ones may still be kept ([Note: unit shards])."""
-    kept: set[int] = set()
-    total = 0
-    for index, numel in pieces:
-        if cap > 0 and total + numel <= cap:
-            kept.add(index)
-            total += numel
-    return kept
+__all__ = ["UnitShards", "host_kept", "parameter_shards"]
 
 
 class UnitShards:
@@ -67,7 +60,7 @@ class UnitShards:
         rank: int,
         manager: TierManager | None = None,
         max_piece_numel: int | None = None,
-        staging_bytes: int = 256 << 20,
+        staging_bytes: int = STAGING_BUDGET_BYTES,
         host_numel: int = 0,
     ) -> None:
         """``host_numel`` (NVME home): elements of non-persistent pieces kept in host memory (max_in_cpu)."""
@@ -95,20 +88,18 @@ class UnitShards:
         self.fresh_budget = staging_bytes
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
-            self.kept = frozenset(host_kept(movable, host_numel))
-            self.on_nvme = tuple(index for index, _ in movable if index not in self.kept)
+            placement = place_parameters(movable, itemsize=dtype.itemsize, host_numel=host_numel,
+                                         staging_bytes=staging_bytes, buffer_count=manager.buffer_count,
+                                         max_piece_numel=max_piece_numel)  # fmt: skip
+            self.kept, self.on_nvme = placement.kept, placement.on_nvme
             for bucket in layout.buckets:
                 if bucket.index in persistent:
                     self._resident[bucket.index] = torch.zeros(bucket.piece_numel, dtype=dtype, device=device)
                 else:
                     tier = Tier.HOST if bucket.index in self.kept else Tier.NVME
                     manager.add(self._name(bucket.index), bucket.piece_numel, tier, dtype)
-            sizes = [layout.buckets[index].piece_numel * dtype.itemsize for index in self.on_nvme]
-            if sizes:
-                cap = staging_bytes // manager.buffer_count
-                if max_piece_numel is not None:
-                    cap = min(cap, max_piece_numel * dtype.itemsize)
-                manager.buffer_bytes = max([n for n in sizes if n <= cap], default=cap)  # none fits: all on demand
+            if self.on_nvme:
+                manager.buffer_bytes = placement.buffer_bytes  # none fits: all read on demand
             manager.open()
             for index in self.kept:  # the manager's host home (pinned where asked), used in place from here on
                 self._resident[index] = manager.acquire(self._name(index)).wait()
@@ -282,3 +273,21 @@ class UnitShards:
         self._editing_outsized.clear()
         if self.manager is not None:
             self.manager.close()
+
+
+def parameter_shards(zero: ZeroConfig, aio: AioSettings, comm: Comm, *, run_id: str | None, dtype: torch.dtype,
+                     device: torch.device, plan: Plan):  # fmt: skip
+    """make_shards for build_units: the rank's parameter shard in the home offload_param gives it, with the plan's
+    sizes ([Note: one plan] in memory/plan.py): the host cache (max_in_cpu within the rank's share), the staging
+    ring and the outsized pieces kept behind the step."""
+    spec = zero.offload_param
+
+    def make(layout: GroupLayout, persistent: set[int]) -> UnitShards:
+        home, manager = parameter_tier(zero, aio, rank=comm.rank, run_id=run_id, plan=plan)
+        common = {"dtype": dtype, "device": device, "persistent": persistent, "rank": comm.rank, "manager": manager}
+        if home is not Tier.NVME:
+            return UnitShards(layout, home=home, **common)
+        return UnitShards(layout, home=home, max_piece_numel=spec.buffer_size, staging_bytes=plan.staging_bytes,
+                          host_numel=plan.host_cache_numel(zero, dtype.itemsize), **common)  # fmt: skip
+
+    return make

@@ -3,6 +3,7 @@ an exact resume, Ctrl-C, torchrun with two processes, and bad input (one line, e
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from infinity.memory import plan as memory_plan
 from infinity.train.main import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,9 +28,11 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _train(args: list[str], *, launcher: list[str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def _train(args: list[str], *, launcher: list[str] | None = None, timeout: float = 240,
+           env: dict | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     command = (launcher or [sys.executable, "-m", "infinity"]) + ["train", "--config", NVME_CONFIG, *SMALL, *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})},
+                          cwd=REPO)  # fmt: skip
 
 
 def _swap_left(folder: str) -> list[str]:
@@ -81,12 +85,24 @@ def _converts_for_from_pretrained(ckpt: Path, out: Path) -> None:
     assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_layer == 4 and model.config.use_cache
 
 
-def _estimate_within_15_percent(measured: dict) -> None:
-    """infinity estimate's host RSS and swap bytes for the run above, against that run's own summary (peak RSS of
-    the process, bytes of its swap files)."""
+@functools.cache
+def _runtime_bytes(raw_json: str) -> int:
+    """The runtime's own RSS, measured once per config for this module's runs (a fresh process each time)."""
+    from infinity.estimate import runtime_bytes
+    from infinity.train import models
+
+    runtime = runtime_bytes(models.CATALOG["gpt2-tiny"], json.loads(raw_json))
+    assert runtime is not None
+    return runtime
+
+
+def _estimate_within_15_percent(measured: dict, *, world_size: int = 1, host_memory: int | None = None) -> None:
+    """infinity estimate's host RSS and swap bytes for the run above, against that run's own summary: the node's
+    peak RSS (every rank's peak added up), the bytes of its swap files. ``host_memory``: what the run was told the
+    node has (INFINITY_HOST_MEMORY_BYTES), which the plan divides among its ranks, as the estimate must."""
     import argparse
 
-    from infinity.estimate import plan_estimate, runtime_bytes
+    from infinity.estimate import plan_estimate
     from infinity.memory.budget import Where
     from infinity.train import models
     from infinity.train.main import _apply_dtype
@@ -95,17 +111,21 @@ def _estimate_within_15_percent(measured: dict) -> None:
     raw["train_micro_batch_size_per_gpu"] = 2
     _apply_dtype(raw, "auto", [])
     shape = models.CATALOG["gpt2-tiny"]
-    result, _ = plan_estimate(shape, raw, argparse.Namespace(world_size=1, seq_len=32))
-    runtime = runtime_bytes(shape, raw)
-    assert runtime is not None
-    predicted_rss = result.host_bytes(cuda=False) + runtime
-    assert abs(predicted_rss - measured["peak_rss_max"]) <= 0.15 * measured["peak_rss_max"], (predicted_rss, measured)
-    held = measured["io"]["held_nvme"]
-    assert abs(result.total(Where.NVME) - held) <= 0.15 * held, (result.total(Where.NVME), held)
+    args = argparse.Namespace(world_size=world_size, seq_len=32)
+    result, _ = plan_estimate(shape, raw, args, available=host_memory)
+    if host_memory is not None:
+        assert result.plan.host_share == host_memory // world_size  # each rank plans with its share of the node
+    runtime = _runtime_bytes(json.dumps(raw, sort_keys=True))
+    predicted_rss = (result.host_bytes(cuda=False) + runtime) * world_size
+    node_rss = measured["peak_rss_sum"]
+    print(f"node peak RSS {node_rss / 2**20:.0f} MiB, estimated {predicted_rss / 2**20:.0f} MiB")
+    assert abs(predicted_rss - node_rss) <= 0.15 * node_rss, (predicted_rss, measured)
+    held = measured["io"]["held_nvme"]  # summed over ranks
+    assert abs(result.total(Where.NVME) * world_size - held) <= 0.15 * held, (result.total(Where.NVME), held)
     # The model-dependent host part, on its own (at this size the runtime dominates the RSS): the staging rings
     # the estimate sizes from the units and tiles against the ones the engine allocated.
-    rings = sum(row.nbytes for row in result.rows if "staging ring" in row.what)
-    staging = measured["io"]["staging"]
+    rings = sum(row.nbytes for row in result.rows if "staging ring" in row.what) * world_size
+    staging = measured["io"]["staging"]  # summed over ranks
     assert abs(rings - staging) <= 0.15 * staging, (rings, staging)
 
 
@@ -130,14 +150,19 @@ def test_ctrl_c_stops_cleanly(tmp_path, signum, code):
 
 
 def test_torchrun_two_processes_one_summary(tmp_path):
+    """Two ranks on one node told it has 1 GiB of host memory: each plans with half (the summary's node RSS
+    against the estimate's for two ranks sharing that node)."""
     swap = tmp_path / "swap"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
                 "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "-m", "infinity"]  # fmt: skip
-    run = _train(["--steps", "2", "--nvme-path", str(swap)], launcher=launcher)
+    node = 1 << 30
+    run = _train(["--steps", "2", "--nvme-path", str(swap), "--summary-json", str(tmp_path / "summary.json")],
+                 launcher=launcher, env={memory_plan.HOST_MEMORY_ENV: str(node)})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("infinity train: done.") == 1  # rank 0 speaks for the run
     assert "world size 2" in run.stdout
     assert _swap_left(str(swap)) == []
+    _estimate_within_15_percent(json.loads((tmp_path / "summary.json").read_text()), world_size=2, host_memory=node)
 
 
 def _bad(capsys, *argv: str) -> str:
@@ -196,6 +221,32 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert ("pass --micro-batch N for train_micro_batch_size_per_gpu; pass --dtype (fp32, bf16 or fp16) for "
             "fp16.enabled and bf16.enabled; set gradient_clipping (0 disables clipping") in err, err
     assert "optimizer.params.lr, optimizer.params.betas in the config" in err and "initialize()" not in err, err
+
+
+def test_a_run_the_disk_cannot_hold_fails_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """The whole run's need (every rank's swap files, zero.Init's copy beside them during initialize(), and each
+    checkpoint --save keeps) against the free space, before the model is built: one line, exit code 2. The free
+    space is read through infinity.memory.plan.disk_space, made small here (nothing is filled)."""
+    swap, save = tmp_path / "swap", tmp_path / "save"
+
+    def disks(*, swap_free: int, save_free: int):  # --save's folder on a disk of its own
+        def space(path: str):
+            path = os.path.abspath(path)
+            on_save = path.startswith(str(save))
+            return memory_plan.Disk(path, 2 if on_save else 1, save_free if on_save else swap_free, 200 << 30)
+
+        return space
+
+    monkeypatch.setattr(memory_plan, "disk_space", disks(swap_free=1 << 20, save_free=100 << 30))
+    err = _bad(capsys, "--config", NVME_CONFIG, *SMALL, "--nvme-path", str(swap), "--steps", "1")
+    assert "the run needs" in err and f"'{swap}'" in err and "zero.Init's copy" in err and "1.0 MiB free" in err
+    assert list(swap.iterdir()) == []
+
+    monkeypatch.setattr(memory_plan, "disk_space", disks(swap_free=100 << 30, save_free=1 << 20))
+    err = _bad(capsys, "--config", NVME_CONFIG, *SMALL, "--nvme-path", str(swap), "--steps", "5", "--save",
+               str(save), "--save-every", "2")  # fmt: skip
+    assert f"'{save}'" in err and "--save: 3 checkpoint(s)" in err and "1.0 MiB free" in err, err
+    assert list(swap.iterdir()) == [] and list(save.iterdir()) == []
 
 
 def test_every_named_model_builds_on_meta_and_is_listed(capsys, monkeypatch):

@@ -1,0 +1,156 @@
+"""The plan's own promises ([Note: one plan] in infinity/memory/plan.py): the node's host memory shared by its
+ranks (capped by a container's cgroup, or by INFINITY_HOST_MEMORY_BYTES), and a run the disk cannot hold failing
+in one line, with the total and the free space, before anything is written: initialize() sets the whole run's swap
+files against the free space before it opens any; zero.Init, which cannot know the model's size, stops before the
+disk has less than 10% free.
+
+The free space is read through one function, infinity.memory.plan.disk_space; these tests make it report a small
+disk, against which what the run really wrote under its folder is counted (the files are real, on the real disk,
+and small: nothing is filled)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+from torch import nn
+
+import infinity
+from infinity.aio import buffers
+from infinity.config import ZeroConfig
+from infinity.errors import ConfigError, TierBudgetError
+from infinity.memory import plan as memory_plan
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+class SmallDisk:
+    """``disk_space`` of a disk of ``size`` bytes with ``free`` left at the start, less the blocks of every file the
+    run has made under ``root`` since."""
+
+    def __init__(self, root, *, free: int, size: int) -> None:
+        self.root, self.free, self.size = str(root), free, size
+        self.lowest = free  # the least free space any check saw
+
+    def written(self) -> int:
+        return sum(os.stat(os.path.join(folder, name)).st_blocks * 512
+                   for folder, _, names in os.walk(self.root) for name in names)  # fmt: skip
+
+    def __call__(self, path: str):
+        disk = memory_plan.Disk(os.path.abspath(path), 1, max(self.free - self.written(), 0), self.size)
+        self.lowest = min(self.lowest, disk.free)
+        return disk
+
+
+def _config(nvme: str, stage: int = 3) -> dict:
+    zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}
+    if stage == 3:
+        zero |= {"stage3_param_persistence_threshold": 0, "offload_param": {"device": "nvme", "nvme_path": nvme,
+                                                                              "max_in_cpu": 0}}  # fmt: skip
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": zero}  # fmt: skip
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_initialize_refuses_a_run_the_disk_cannot_hold_before_writing(tmp_path, monkeypatch, one_thread, stage):
+    """A disk 4 KiB short of what the run's swap files take is refused before any folder is made, and the model is
+    left free for the retry on a disk that holds it. The plan's total is the files' real size (stage 2 exactly;
+    stage 3 with the room it keeps for runs that param groups may cut: 4 KiB per parameter)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    measured, *_ = infinity.initialize(model=_model(), config=_config(str(nvme), stage))
+    files = {owner: manager.store.layout.total_bytes for owner, manager in measured._tier_managers().items()}
+    measured.destroy()
+    total = sum(files.values())
+
+    disk = SmallDisk(nvme, free=total - 4 * KiB, size=100 * MiB)
+    monkeypatch.setattr(memory_plan, "disk_space", disk)
+    model = _model()
+    with pytest.raises(TierBudgetError) as raised:
+        infinity.initialize(model=model, config=_config(str(nvme), stage))
+    message = str(raised.value)
+    assert "\n" not in message and f"'{nvme}'" in message and f"{memory_plan._human(total - 4 * KiB)} free" in message
+    assert list(nvme.iterdir()) == [], "something was written before the check"
+    monkeypatch.undo()
+    engine, *_ = infinity.initialize(model=model, config=_config(str(nvme), stage))  # the same model: still free
+    engine.destroy()
+
+    need = measured.swap_need
+    assert f"needs {memory_plan._human(need.parameters + need.optimizer + need.gradients)}" in message
+    assert need.parameters == files.get("parameters", 0) and need.gradients >= files.get("gradients", 0)
+    assert files["optimizer"] <= need.optimizer <= files["optimizer"] + (0 if stage == 2 else 4 * 4 * KiB)
+
+
+def test_zero_init_stops_before_the_disk_is_under_a_tenth_free(tmp_path, monkeypatch):
+    """zero.Init cannot know the model's size: each piece is checked, and the one that would leave the disk with
+    less than 10% of its size free is refused, before it is written (its module named)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    size = 10 * MiB
+    disk = SmallDisk(nvme, free=size // 10 + 100 * KiB, size=size)  # 100 KiB above the floor: a few 16 KiB pieces
+    monkeypatch.setattr(memory_plan, "disk_space", disk)
+    with pytest.raises(TierBudgetError) as raised, infinity.zero.Init(config=_config(str(nvme))):
+        nn.Sequential(*(nn.Linear(64, 64) for _ in range(16)))  # a 16 KiB weight and a 4 KiB bias each
+    message = str(raised.value)
+    assert "\n" not in message and "under 10% of its 10.0 MiB" in message, message
+    assert "zero.Init was writing the piece of a parameter of shape" in "".join(raised.value.__notes__)
+    assert size // 10 <= disk.lowest < size // 10 + 16 * KiB  # it stopped at the floor, not before nor after
+    del raised
+    gc.collect()
+    assert not any(nvme.iterdir()), "zero.Init's swap files outlived its pieces"
+
+
+def test_the_node_is_shared_by_its_ranks_and_every_rank_decides_alike():
+    """Pure: the host share is the smallest host's memory over its ranks; a filesystem's need is every rank's on
+    that host, and another host's disk is its own."""
+    disk = memory_plan.Disk("/swap", 7, free=10 * MiB, size=100 * MiB)
+    a = memory_plan.RankFacts("a", 64 * MiB, (disk,))
+    b = memory_plan.RankFacts("b", 16 * MiB, (disk,))
+    node = memory_plan.Node(rank=0, ranks=(a, a, a, b), paths=("/swap",))
+    assert (node.local_ranks, node.host_share) == (3, 16 * MiB)
+    memory_plan.check_room(node, {"/swap": 3 * MiB}, what="the run", detail="")  # 9 MiB on a, 3 on b: fits
+    with pytest.raises(TierBudgetError, match=r"needs 12.0 MiB on '/swap' on a \(3 rank\(s\) x 4.0 MiB"):
+        memory_plan.check_room(node, {"/swap": 4 * MiB}, what="the run", detail="")
+    plan = memory_plan.make_plan(ZeroConfig(), world_size=4, local_ranks=node.local_ranks,
+                                 host_share=node.host_share, state_width=3)  # fmt: skip
+    assert plan.host_cache_bytes == 4 * MiB and plan.staging_bytes == 1 * MiB and plan.tile_numel % 64 == 0
+
+
+def test_the_host_memory_to_plan_with_can_be_capped(monkeypatch):
+    monkeypatch.setenv(memory_plan.HOST_MEMORY_ENV, str(MiB))
+    assert memory_plan.host_memory_bytes() == MiB
+    monkeypatch.setenv(memory_plan.HOST_MEMORY_ENV, "lots")
+    with pytest.raises(ConfigError, match="INFINITY_HOST_MEMORY_BYTES='lots'"):
+        memory_plan.host_memory_bytes()
+
+
+def test_a_containers_memory_limit_caps_the_host_memory(tmp_path):
+    """MemAvailable is the machine's; a container's cgroup may allow less (limit - usage + the inactive page cache
+    the kernel reclaims first), the tightest of the cgroup and its ancestors. v2 and v1 layouts."""
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    pod, app = root / "pod", root / "pod" / "app"
+    app.mkdir(parents=True)
+    for folder, values in ((pod, {"memory.max": 8 << 30, "memory.current": 6 << 30}),
+                           (app, {"memory.max": "max", "memory.current": 5 << 30})):  # fmt: skip
+        for name, value in values.items():
+            (folder / name).write_text(f"{value}\n")
+    (pod / "memory.stat").write_text(f"anon 5\ninactive_file {1 << 30}\n")
+    proc.write_text("0::/pod/app\n")
+    assert buffers.cgroup_room(str(proc), str(root)) == 3 << 30
+    (pod / "memory.max").write_text("max\n")
+    assert buffers.cgroup_room(str(proc), str(root)) is None
+
+    v1 = root / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (root / "memory" / "memory.usage_in_bytes").write_text(f"{40 << 30}\n")
+    proc.write_text("4:memory:/job\n3:cpu:/\n")
+    assert buffers.cgroup_room(str(proc), str(root)) == 1 << 30
