@@ -375,6 +375,7 @@ class Engine(nn.Module):
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             self._keep_generate_in_step()
+            self.stage3.bind_reducer(self.zero_optimizer.reducer)
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole,

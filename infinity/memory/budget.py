@@ -127,6 +127,21 @@ def _stage3_units(owners: list[Owner], config: Config, world_size: int):
     return persistent_bucket.padded_numel if persistent_bucket else 0, units
 
 
+def _stage3_gradient_buckets(owners: list[Owner], config: Config, world_size: int) -> Row:
+    """Stage 3's fp32 gradient buckets held at once (zero/reducer.py, [Note: launch order]): the persistent
+    unit's (filled all through backward), the unit whose gradients are arriving, and those being reduced: with
+    overlap_comm up to reduce_bucket_size elements (at least one unit) while peers catch up, none left at world
+    size 1; without overlap_comm one unit."""
+    persistent, units = _stage3_units(owners, config, world_size)
+    sizes = [numel for numel, _ in units]
+    largest = max(sizes, default=0)
+    reducing = largest
+    if config.zero.overlap_comm and world_size > 1:
+        reducing = min(sum(sizes), max(config.zero.reduce_bucket_size, largest))
+    return Row("buffers", "gradient buckets (the unit filling, those being reduced)", Where.DEVICE,
+               (persistent + largest + reducing) * 4)  # fmt: skip
+
+
 def _round(nbytes: int, align: int = NVME_ALIGN) -> int:
     return -(-nbytes // align) * align
 
@@ -228,8 +243,7 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             in_flight = min(trainable, 2 * zero.reduce_bucket_size)
             rows.append(Row("buffers", "gradient buckets in flight", Where.DEVICE, in_flight * 4))
         else:
-            largest = max((u for u, _ in _stage3_units(owners, config, n)[1]), default=0)
-            rows.append(Row("buffers", "gradient bucket of the unit in flight", Where.DEVICE, 2 * largest * 4))
+            rows.append(_stage3_gradient_buckets(owners, config, n))
 
     # ---- the optimizer's NVMe rings ----
     if offload_opt.device == "nvme":

@@ -1,4 +1,6 @@
 """The ZeRO-3 fetch coordinator: records the trace, fetches and prefetches units, releases them, never hangs.
+Also the two points where gradient reduction meets the fetch rendezvous: the agreed launch order of a backward's
+reductions, and waiting for one inside backward ([Note: launch order] in reducer.py).
 
 Fetches go through the rendezvous of rendezvous.py ([Note: fetch rendezvous] there): the coordinator decides
 what to ask for and what to keep, the rendezvous how ranks agree on the all-gathers.
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from infinity.zero.collectives import Comm
+from infinity.zero.collectives import Comm, Pending
 from infinity.zero.rendezvous import FetchRendezvous, gather_for_others
 from infinity.zero.schedule import (
     BACKWARD,
@@ -33,8 +35,10 @@ from infinity.zero.schedule import (
     Knobs,
     Trace,
     keep_after_use,
+    order_signature,
     plan_prefetch,
     plan_swap_in,
+    reduce_order,
     used_between,
 )
 from infinity.zero.units import UnitState, UnitTable
@@ -44,7 +48,7 @@ logger = logging.getLogger("infinity")
 
 @dataclass(slots=True)
 class FetchStats:
-    """What fetching cost; ``zero_stats()`` reports these per optimizer step."""
+    """What fetching (and reducing gradients) cost; ``zero_stats()`` reports these per optimizer step."""
 
     fetches: int = 0  # uses of a non-persistent unit at an event
     already_gathered: int = 0  # ... found gathered (kept from an earlier use, or a finished prefetch)
@@ -54,6 +58,11 @@ class FetchStats:
     gathered_numel: int = 0  # elements all-gathered, including for other ranks' needs
     peak_live_numel: int = 0  # most elements gathered or in flight at once (persistent ones excluded)
     blocked_s: float = 0.0  # time spent in exchanges, demand fetches and waits
+    read_ahead: int = 0  # offloaded (NVMe) pieces whose read was started ahead of their gather
+    peak_grad_buckets: int = 0  # most unit gradient buckets held at once (filling, waiting or being reduced)
+    peak_grad_numel: int = 0  # ... and most elements (fp32) in them
+    reduce_waits: int = 0  # times backward waited for a reduction (overlap_comm off, or reduce_bucket_size full)
+    reduce_blocked_s: float = 0.0  # time spent in those waits and in agreeing on the launch order
     passes: int = 0
 
     @property
@@ -68,8 +77,8 @@ class FetchStats:
 
     def merge(self, other: FetchStats) -> None:
         for f in fields(self):
-            if f.name == "peak_live_numel":
-                self.peak_live_numel = max(self.peak_live_numel, other.peak_live_numel)
+            if f.name.startswith("peak_"):
+                setattr(self, f.name, max(getattr(self, f.name), getattr(other, f.name)))
             else:
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -133,6 +142,10 @@ class Coordinator:
         self.in_pass = False
         self.stats = FetchStats()  # this pass
         self.step_stats = FetchStats()  # passes since the last take_step_stats()
+        self.reduction_peaks: Callable[[], tuple[int, int]] | None = None  # the reducer's (buckets, numel) held
+        # at most since the last call
+        self.before_drain: Callable[[], None] | None = None  # the reducer launches what backward left: a rank
+        # that says it is done has launched every reduction ([Note: launch order] in reducer.py)
         self._reset_pass(grad_mode=True)
 
     # ---- pass boundaries ----
@@ -153,6 +166,8 @@ class Coordinator:
         recorded = Trace.build(
             self._pass.recorded, [self.table.module_units[e.module] for e in self._pass.recorded], self._numel
         )
+        if self.before_drain is not None:
+            self.before_drain()
         self._drain()
         for index in list(self._resident.live):
             self._release(index)
@@ -176,7 +191,35 @@ class Coordinator:
 
     def take_step_stats(self) -> FetchStats:
         stats, self.step_stats = self.step_stats, FetchStats()
+        if self.reduction_peaks is not None:
+            stats.peak_grad_buckets, stats.peak_grad_numel = self.reduction_peaks()
         return stats
+
+    # ---- gradient reductions: [Note: launch order] in reducer.py ----
+    def reduce_order(self) -> list[int]:
+        """Before a backward: the units in the order this backward's reductions launch, the same on every rank.
+        Predicted from this pass's forward (schedule.reduce_order); ranks whose forwards differ (their
+        predictions do) all fall back to the fixed order, last unit first. Every rank takes part (a collective)."""
+        forward = [self.table.module_units[e.module] for e in self._pass.recorded if e.phase == FORWARD]
+        order = reduce_order(forward if self.in_pass else [], len(self.table.units))
+        if self.comm.active:
+            started = time.perf_counter()
+            values = self._rendezvous.agree(order_signature(order), self._gather_for_others)
+            if any(value != values[0] for value in values):
+                order = reduce_order([], len(self.table.units))
+            self.stats.reduce_blocked_s += time.perf_counter() - started
+        return order
+
+    def wait_for_reduction(self, pending: Pending, launched: int, needed: int) -> None:
+        """Before the pass ends: waits for this backward's ``needed``-th reduction (this rank has launched
+        ``launched``). Until every rank has launched it, this rank keeps answering fetches, since a peer may need
+        one before it gets there ([Note: fetch rendezvous]); then the wait cannot hang."""
+        started = time.perf_counter()
+        if self.comm.active:
+            self._rendezvous.wait(launched, needed, self._gather_for_others)
+        pending.wait()
+        self.stats.reduce_waits += 1
+        self.stats.reduce_blocked_s += time.perf_counter() - started
 
     # ---- events ----
     def on_event(self, module: int, phase: str) -> None:
@@ -312,11 +355,10 @@ class Coordinator:
 
     # ---- internals ----
     def _reset_pass(self, *, grad_mode: bool) -> None:
-        trace = self._traces.get(grad_mode)
+        trace = self._traces.get(grad_mode)  # followed whatever the knobs: each one acts alone (schedule.py)
         self._pass = PassState(
-            grad_mode=grad_mode, trace=trace, on_trace=trace is not None and self.knobs.prefetch_numel > 0,
-            grads_left=list(self._grad_params),
-        )  # fmt: skip
+            grad_mode=grad_mode, trace=trace, on_trace=trace is not None, grads_left=list(self._grad_params)
+        )
         self._pass_number += 1
         self.stats = FetchStats()
 
@@ -359,14 +401,17 @@ class Coordinator:
     def _stage_ahead(self, position: int) -> None:
         """Offloaded shards (NVMe): start reading the pieces of the next units along the trace that are not
         gathered, as far as the staging buffers go (plan_swap_in: the look-ahead of the all-gathers, longer)."""
-        capacity = self.table.shards.staging_capacity
+        shards = self.table.shards
+        capacity = shards.staging_capacity
         if not capacity:
             return
-        kept = self.table.shards.kept  # pieces max_in_cpu keeps in host memory: nothing to read, no buffer taken
+        kept = shards.kept  # pieces max_in_cpu keeps in host memory: nothing to read, no buffer taken
         resident = (self._resident.live | kept) if kept else self._resident.live
+        before = shards.read_ahead
         for unit in plan_swap_in(self._pass.trace, position, resident=resident, limit=capacity):
-            if not self.table.shards.stage(unit):
-                return
+            if not shards.stage(unit):
+                break
+        self.stats.read_ahead += shards.read_ahead - before
 
     def _drain(self) -> None:
         """Answer other ranks' requests until every rank is done with its pass."""

@@ -1,4 +1,4 @@
-"""Gradient reduction for ZeRO stages 0-3: one collective per bucket, launched in a fixed order.
+"""Gradient reduction for ZeRO stages 0-3: one collective per bucket, launched in an order fixed per backward.
 
 Each parameter's gradient is taken as soon as autograd has accumulated it (a post-accumulate-grad hook):
 it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed. Then:
@@ -8,16 +8,36 @@ it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed.
   keeps a full gradient beyond the buckets in flight. Stage 3 does the same with each unit as a bucket.
 
 [Note: fixed launch order]
-Buckets are launched in reverse layout order (the order backward usually completes them), and bucket k only
-after every bucket before it in that order: a collective is issued in the same sequence on every rank, whatever
-order the hooks fire in. With overlap_comm the launches are asynchronous and happen inside backward, as soon as
-the prefix is complete; without it they happen after backward. finish_backward() launches what is left (buckets
-with unused parameters contribute zeros) and waits for all of them.
+Buckets are launched in an order fixed before backward starts, and bucket k only after every bucket before it in
+that order: a collective is issued in the same sequence on every rank, whatever order the hooks fire in. Stages
+0-2 use reverse layout order (the order backward usually completes them); with overlap_comm the launches are
+asynchronous and happen inside backward, as soon as the prefix is complete; without it they happen after
+backward. finish_backward() launches what is left (buckets with unused parameters contribute zeros) and waits
+for all of them. Stage 3: [Note: launch order].
+
+[Note: launch order]
+Stage 3 launches in execution order, and inside backward with or without overlap_comm: a unit's fp32 bucket is
+the size of the unit, so holding every bucket until backward ends would hold the whole model's gradient. Before
+each backward the ranks agree on the order (``launch_order``, the coordinator's reduce_order): the reverse of
+the units' first uses in this pass's forward, which is when backward completes them, whatever order the modules
+were registered in; ranks whose forwards differed fall back to the fixed order, last unit first (a bucket
+completed early then waits for its turn; results are the same, only memory differs). Then:
+- overlap_comm: each reduction is launched asynchronously as its prefix completes; while the elements in
+  flight exceed reduce_bucket_size (``in_flight_numel``; one bucket always goes), the oldest is waited for;
+- without it each reduction is waited for as soon as it is launched, before backward goes on.
+So the buckets held at once are the ones in flight plus the unit whose gradients are arriving, not the model.
+A wait inside backward must not hang: a peer may need this rank in a fetch before it gets to launch the same
+reduction. So it is the coordinator's ``wait_for_reduction``: this rank keeps answering fetches, its headers
+saying how many reductions it has launched, until every rank has launched the awaited one; only then does it
+block on it (which cannot hang: every rank's part is under way). Launch counts, not the work's own completion:
+gloo's reduce-scatter reports itself complete only once waited for. A rank that has finished its pass has
+launched all of its backward's reductions: ``launch_rest`` runs before the pass's drain. The agreement on the
+order is an exchange of the same protocol ([Note: fetch rendezvous] in rendezvous.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +58,13 @@ class _BucketState:
 
 
 @dataclass(slots=True)
+class _InFlight:
+    pending: Pending
+    numel: int  # elements of its bucket
+    sequence: int  # its place in this backward's launches, from 1
+
+
+@dataclass(slots=True)
 class GradientReducer:
     comm: Comm
     stage: int
@@ -49,20 +76,29 @@ class GradientReducer:
     _states: list[_BucketState] = field(default_factory=list)
     _order: list[int] = field(default_factory=list)  # launch order: indices into _states
     _next: int = 0
-    _pending: list[Pending] = field(default_factory=list)
+    _pending: list[_InFlight] = field(default_factory=list)  # launched, not finished, oldest first
+    _launched: int = 0  # reductions launched in this backward
+    _open: bool = False  # a backward's reductions are not all launched yet
     _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # stage 2: reusable buffers by size
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
     keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
-    max_in_flight: int | None = 2  # reductions in flight before the oldest is waited for; None: never wait
-    # in backward (stage 3: a rank blocked here could not answer a peer's fetch: [Note: fetch rendezvous] in
-    # rendezvous.py)
+    max_in_flight: int | None = 2  # stages 0-2: reductions in flight before the oldest is waited for; None:
+    # never (stage 3 bounds them by in_flight_numel, waiting through wait_in_backward)
     deliver: Callable[[int, torch.Tensor], None] | None = None  # stage 3, gradients on NVMe: (unit, reduced
     # piece) goes there instead of into ``gradients`` ([Note: swapped gradients] in grads.py)
+    # Stage 3 ([Note: launch order]), set by the stage-3 runtime: the order of each backward's launches (a
+    # collective: every rank calls it before its backward); the wait used before the pass ends, given the work,
+    # this rank's launches so far and the launches it needs from every rank; reduce_bucket_size
+    launch_order: Callable[[], Sequence[int]] | None = None
+    wait_in_backward: Callable[[Pending, int, int], None] | None = None
+    in_flight_numel: int | None = None  # most elements being reduced at once (one bucket always goes); None: any
     peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
     peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
     _waiting_bytes: int = 0
     _in_use_bytes: int = 0  # buffers acquired and not yet returned (stages 0/1 keep theirs)
+    _in_use_count: int = 0
+    _step_peak: tuple[int, int] = (0, 0)  # (buffers, elements) held at most since take_peaks()
 
     def __post_init__(self) -> None:
         for layout in self.layouts:
@@ -79,9 +115,13 @@ class GradientReducer:
     def begin_backward(self, *, boundary: bool) -> None:
         """Stage 2 reduces every micro-step; stages 0/1 only at the accumulation boundary."""
         self.reduce_this_backward = self.stage >= 2 or boundary
+        self._open = self.reduce_this_backward
         self._next = 0
+        self._launched = 0
         for state in self._states:
             state.arrived = 0
+        if self.launch_order is not None:
+            self._order = [i for i in self.launch_order() if self._states[i].expected > 0]
 
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
         """Called from the parameter's post-accumulate-grad hook."""
@@ -109,39 +149,57 @@ class GradientReducer:
 
     def _arrived(self, state: _BucketState) -> None:
         state.arrived += 1
-        if self.overlap_comm and state.arrived == state.expected:
+        if state.arrived == state.expected and (self.overlap_comm or self.wait_in_backward is not None):
             self._launch_ready_prefix(complete_only=True)
             self._reap_finished()
 
+    def launch_rest(self) -> None:
+        """Stage 3, as the pass ends (before its drain): launches what backward left, so a rank that says it is
+        done has launched every reduction of its backward ([Note: launch order])."""
+        if self._open:
+            self._launch_ready_prefix(complete_only=False)
+            self._open = False
+
     def finish_backward(self) -> None:
+        """After backward (at stage 3 after the pass has ended: no rank needs a fetch any more)."""
         if not self.reduce_this_backward:
             return
-        self._launch_ready_prefix(complete_only=False)
-        for pending in self._pending:
-            pending.wait()
+        self._launch_ready_prefix(complete_only=False, in_backward=False)
+        self._open = False
+        for flight in self._pending:
+            flight.pending.wait()
         self._pending.clear()
+
+    def take_peaks(self) -> tuple[int, int]:
+        """(buffers, elements) of bucket buffers held at most since the last call."""
+        peak = self._step_peak
+        self._step_peak = (self._in_use_count, self._in_use_bytes // 4)
+        return peak
 
     # ---- internals ----
     def _reap_finished(self) -> None:
         """Finishes the reductions that are complete, so their buffers go back before backward ends."""
-        if any(p.done() for p in self._pending):
+        if any(flight.pending.done() for flight in self._pending):
             still = []
-            for pending in self._pending:
-                if pending.done():
-                    pending.wait()
+            for flight in self._pending:
+                if flight.pending.done():
+                    flight.pending.wait()
                 else:
-                    still.append(pending)
+                    still.append(flight)
             self._pending = still
 
-    def _launch_ready_prefix(self, *, complete_only: bool) -> None:
+    def _launch_ready_prefix(self, *, complete_only: bool, in_backward: bool = True) -> None:
         while self._next < len(self._order):
             state = self._states[self._order[self._next]]
             if complete_only and state.arrived < state.expected:
                 return
-            self._launch(state, async_op=self.overlap_comm)
             self._next += 1
+            self._launch(state, in_backward=in_backward)
 
-    def _launch(self, state: _BucketState, *, async_op: bool) -> None:
+    def _launch(self, state: _BucketState, *, in_backward: bool) -> None:
+        # Stage 3 in backward: always asynchronous, then waited for below ([Note: launch order])
+        waits_here = in_backward and self.wait_in_backward is not None
+        async_op = self.overlap_comm or waits_here
         bucket = state.bucket
         if state.buffer is None:
             state.buffer = self._acquire(bucket)
@@ -163,6 +221,7 @@ class GradientReducer:
                 else:  # the window's first piece is copied, later ones added ([Note: gradient shards])
                     self.gradients.write(bucket.group, bucket.shard_offset, piece)
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
+                self._in_use_count -= 1
                 if self.keep_spares:
                     self._spare.setdefault(buffer.numel(), []).append(buffer)
 
@@ -173,9 +232,23 @@ class GradientReducer:
             def finish(buffer=buffer, bucket=bucket, start=start, end=end):
                 self.gradients.write(bucket.group, bucket.shard_offset, buffer[start:end])  # once per window
 
-        self._pending.append(pending.then(finish))
-        if self.max_in_flight is not None and len(self._pending) > self.max_in_flight:
-            self._pending.pop(0).wait()  # bounds the buffers in flight
+        self._launched += 1
+        self._pending.append(_InFlight(pending.then(finish), buffer.numel(), self._launched))
+        if waits_here and not self.overlap_comm:  # reduced before backward goes on
+            while self._pending:
+                self._wait_oldest(in_backward=True)
+        elif self.in_flight_numel is not None:  # while more than reduce_bucket_size is in flight (one always goes)
+            while len(self._pending) > 1 and sum(f.numel for f in self._pending) > self.in_flight_numel:
+                self._wait_oldest(in_backward=waits_here)
+        elif self.max_in_flight is not None and len(self._pending) > self.max_in_flight:
+            self._pending.pop(0).pending.wait()  # bounds the buffers in flight
+
+    def _wait_oldest(self, *, in_backward: bool) -> None:
+        flight = self._pending.pop(0)
+        if in_backward:
+            self.wait_in_backward(flight.pending, self._launched, flight.sequence)
+        else:
+            flight.pending.wait()
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
         """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps) or a new one.
@@ -183,7 +256,10 @@ class GradientReducer:
         their pages are touched as gradients arrive (while backward frees activations), not all at once."""
         numel = bucket.padded_numel
         self._in_use_bytes += numel * 4
+        self._in_use_count += 1
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes)
+        count, elements = self._step_peak
+        self._step_peak = (max(count, self._in_use_count), max(elements, self._in_use_bytes // 4))
         spares = self._spare.get(numel)
         buffer = spares.pop() if spares else torch.empty(numel, dtype=torch.float32, device=self.device)
         buffer[bucket.numel :].zero_()

@@ -12,6 +12,11 @@ traces, identical plans), and a rank whose header finds the others elsewhere sim
 A rank that finishes its pass keeps answering with "done" headers (the drain in Coordinator.end_pass) until
 every rank is done, so a request is always answered. Gradient reductions use the other group, so their timing
 never interleaves with fetches. With one process there is nothing to exchange.
+Two more waits keep answering the same way, so no rank ever blocks where a peer may need it for a fetch: the
+agreement before each backward on the order gradient reductions launch in (``agree``: every rank's value, once
+all ranks are there), and a rank waiting in backward until every peer has launched a reduction (``wait``: a
+peer may need a fetch first; [Note: launch order] in reducer.py). Agreeing and waiting ranks list no units:
+their header carries a value where the units would be.
 
 Only the protocol lives here (the headers, the drain, the gather taken part in for others); what to ask for,
 and what becomes of a unit once gathered, is the coordinator's.
@@ -30,6 +35,8 @@ from infinity.zero.units import UnitTable, gather_piece
 
 _ASKING = 0  # header status of a rank in its pass
 _DONE = -2  # header status of a rank that has finished its pass
+_AGREEING = -3  # header status of a rank at the agreement before its backward; its value in the first unit slot
+_WAITING = -4  # header status of a rank waiting for the others to launch a reduction; ditto (reductions launched)
 _MIN_WIDTH = 16
 
 
@@ -37,7 +44,8 @@ class Exchanged(NamedTuple):
     """What one exchange of headers agreed on."""
 
     union: list[int]  # every unit some rank listed, in unit order: the all-gathers to issue, in this order
-    all_done: bool  # every rank's status was _DONE
+    statuses: list[int]  # every rank's status, from its first header
+    values: list[int]  # every rank's first unit slot, from its first header (an agreeing rank's value)
 
 
 class FetchRendezvous:
@@ -55,16 +63,36 @@ class FetchRendezvous:
     def drain(self, answer: Callable[[int], None]) -> None:
         """This rank's pass is over: answer (take part in the gather of) every unit other ranks still ask for,
         until every rank is done."""
+        self._until_all(_DONE, answer)
+
+    def wait(self, launched: int, needed: int, answer: Callable[[int], None]) -> None:
+        """Answer other ranks' requests until every rank has launched at least ``needed`` reductions of this
+        backward (this rank: ``launched``). A rank whose header says it is waiting tells its own count; a rank
+        draining has finished its backward, and launched them all before (Coordinator.end_pass)."""
         while True:
-            exchanged = self._exchange(_DONE, [])
-            if exchanged.all_done:
+            exchanged = self._exchange(_WAITING, [launched])
+            pairs = zip(exchanged.statuses, exchanged.values, strict=True)
+            if all(status == _DONE or (status == _WAITING and value >= needed) for status, value in pairs):
                 return
             for index in exchanged.union:
                 answer(index)
 
+    def agree(self, value: int, answer: Callable[[int], None]) -> list[int]:
+        """Answer other ranks' requests until every rank has reached its own call; returns every rank's
+        ``value`` (>= 0), in rank order."""
+        return self._until_all(_AGREEING, answer, value=value).values
+
+    def _until_all(self, status: int, answer: Callable[[int], None], *, value: int = -1) -> Exchanged:
+        while True:
+            exchanged = self._exchange(status, [] if value < 0 else [value])
+            if all(s == status for s in exchanged.statuses):
+                return exchanged
+            for index in exchanged.union:
+                answer(index)
+
     def _exchange(self, status: int, wanted: list[int]) -> Exchanged:
-        """All-gathers headers [status, more, up to ``width`` units] until no rank has more to list. ``all_done``
-        is read from every rank's first header."""
+        """All-gathers headers [status, more, up to ``width`` units] until no rank has more to list. Statuses
+        and values are read from every rank's first header; an agreeing or waiting rank's slots are no units."""
         union: set[int] = set()
         first = None
         remaining = list(wanted)
@@ -77,9 +105,10 @@ class FetchRendezvous:
             collectives.all_gather_pieces(self.header_comm, rows, row, async_op=False)
             rows = rows.view(self.header_comm.world_size, -1)
             first = rows if first is None else first
-            union.update(int(u) for u in rows[:, 2:].flatten().tolist() if u >= 0)
+            listing = rows[(rows[:, 0] != _AGREEING) & (rows[:, 0] != _WAITING), 2:]  # the rows listing units
+            union.update(int(u) for u in listing.flatten().tolist() if u >= 0)
             if not bool((rows[:, 1] == 1).any()):
-                return Exchanged(union=sorted(union), all_done=bool((first[:, 0] == _DONE).all()))
+                return Exchanged(union=sorted(union), statuses=first[:, 0].tolist(), values=first[:, 2].tolist())
 
 
 def gather_for_others(comm: Comm, table: UnitTable, index: int) -> None:

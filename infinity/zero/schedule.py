@@ -11,6 +11,10 @@ No process, tensor or collective here; the coordinator feeds it positions and it
 - Release (stage3_max_reuse_distance): after a module runs, a unit stays gathered if its next use is within
   max_reuse_distance elements of traffic; otherwise it is released. A unit kept that way yields to a prefetch
   the live budget would otherwise block, when it is not used before the unit being prefetched.
+- Each knob acts alone: a prefetch budget of 0 stops the all-gathers ahead of use only; the trace is still
+  followed for the reuse decisions and for reading offloaded pieces ahead (plan_swap_in).
+- Gradient reductions (reduce_order): the order in which backward completes the units' gradients, predicted
+  from the forward's uses ([Note: launch order] in reducer.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class Knobs:
     max_live_numel: int
-    prefetch_numel: int  # 0 disables prefetch
+    prefetch_numel: int  # 0 disables prefetch (and nothing else)
     max_reuse_distance: int
 
 
@@ -119,3 +123,21 @@ def plan_swap_in(trace: Trace, position: int, *, resident: set[int], limit: int)
                 if len(chosen) == limit:
                     return chosen
     return chosen
+
+
+def reduce_order(forward_uses: Sequence[tuple[int, ...]], unit_count: int) -> list[int]:
+    """The order backward is expected to complete the units' gradients in, from the units the forward's events
+    used, in order: the reverse of each unit's first use (backward runs the forward backwards, and a unit used
+    several times is complete only once its earliest use is), then the units no event used, last unit first (so
+    the persistent unit 0, whose parameters are spread over the whole model, comes last)."""
+    seen: dict[int, None] = {}
+    for units in forward_uses:
+        for unit in units:
+            seen.setdefault(unit, None)
+    order = list(reversed(seen))
+    return order + [unit for unit in range(unit_count - 1, -1, -1) if unit not in seen]
+
+
+def order_signature(order: Sequence[int]) -> int:
+    """Equal on ranks whose orders are equal (ints only: a str hash differs between processes); >= 0."""
+    return hash(tuple(order)) & ((1 << 62) - 1)

@@ -88,6 +88,7 @@ class UnitShards:
         self.kept: frozenset[int] = frozenset()  # NVME home: the units whose pieces max_in_cpu keeps in memory
         self.on_nvme: tuple[int, ...] = ()
         self._staged: dict[int, SegmentHandle] = {}
+        self.read_ahead = 0  # reads ``stage`` started (zero_stats)
         self._editing: dict[int, SegmentHandle] = {}
         self._editing_outsized: dict[int, torch.Tensor] = {}
         # outsized pieces the step just wrote (asynchronously): the next gather takes them from here, not the disk;
@@ -163,6 +164,7 @@ class UnitShards:
         if handle is None:
             return False
         self._staged[index] = handle
+        self.read_ahead += 1
         return True
 
     def unstage_all(self) -> None:

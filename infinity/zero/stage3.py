@@ -8,7 +8,8 @@
   the units, and wrap the outputs in one whose backward is the module's pre-backward: fetch again before its
   backward runs (also when torch.utils.checkpoint recomputes: that is an ordinary forward inside backward).
 - gradients: the optimizer's post-accumulate-grad hooks reduce them and call coordinator.on_param_grad; a unit
-  is released once its backward is done ([Note: release after backward] in coordinator.py).
+  is released once its backward is done ([Note: release after backward] in coordinator.py). The reducer
+  launches in the order the coordinator agrees on with the other ranks, and waits through it (bind_reducer).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from infinity.config import ZeroConfig
 from infinity.distributed import Distributed
 from infinity.zero import collectives
 from infinity.zero.coordinator import Coordinator
+from infinity.zero.reducer import GradientReducer
 from infinity.zero.schedule import BACKWARD, FORWARD, Knobs
 from infinity.zero.units import Unit, UnitState, UnitTable, build_units, register_runtime, unregister_runtime
 
@@ -121,7 +123,18 @@ class Stage3:
     coordinator: Coordinator
     handles: list
     check_call: Callable[[str], None]  # [Note: collective calls] in distributed.py
+    reduce_bucket_numel: int  # zero_optimization.reduce_bucket_size: most gradient elements reduced at once
     on_piece_edited: Callable[[Unit], None] | None = None  # the optimizer's masters follow an edited shard
+
+    def bind_reducer(self, reducer: GradientReducer) -> None:
+        """The units' gradient reductions launch in the order the ranks agree on before each backward, at most
+        reduce_bucket_size elements in flight, waited for while answering fetches ([Note: launch order] in
+        reducer.py); their buffers show in zero_stats()."""
+        reducer.launch_order = self.coordinator.reduce_order
+        reducer.wait_in_backward = self.coordinator.wait_for_reduction
+        reducer.in_flight_numel = self.reduce_bucket_numel
+        self.coordinator.reduction_peaks = reducer.take_peaks
+        self.coordinator.before_drain = reducer.launch_rest
 
     # ---- GatheredParameters and saving ----
     def gather(self, params) -> list[tuple[int, bool]]:
@@ -147,6 +160,7 @@ class Stage3:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.coordinator.reduction_peaks = self.coordinator.before_drain = None
         self.coordinator.close()
         self.table.shards.close()
         unregister_runtime(self.table.parameters())
@@ -181,7 +195,7 @@ def setup_stage3(
     coordinator = Coordinator(table, fetch, knobs, header_comm=headers)
     stage3 = Stage3(
         table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator),
-        check_call=distributed.check_call,
+        check_call=distributed.check_call, reduce_bucket_numel=zero.reduce_bucket_size,
     )  # fmt: skip
     if not any(not unit.persistent for unit in table.units) and comm.rank == 0:
         logger.warning(

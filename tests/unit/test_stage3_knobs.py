@@ -1,0 +1,88 @@
+"""Each ZeRO-3 knob does what DeepSpeed documents, alone, in a real engine (one process): its effect shows in
+zero_stats(). A prefetch budget of 0 stops the all-gathers ahead of use and nothing else: the trace is still
+followed for stage3_max_reuse_distance (and so stage3_max_live_parameters, which caps what reuse keeps) and for
+reading NVMe pieces ahead.
+
+The model: nine Linear units (33, then eight of 32 x 32 + 32 elements) run in registration order; the trace of
+a pass is forward L0..L8, backward L8..L0. Stats are the second step's (the first records the trace)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+
+UNIT = 32 * 32 + 32
+BIG = 10**9
+
+
+def deep_mlp() -> nn.Module:
+    torch.manual_seed(7)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(32, 1))
+
+
+def second_step_stats(**zero) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
+    engine, *_ = infinity.initialize(model=deep_mlp(), config=config)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 32, generator=gen)).pow(2).mean())
+        engine.step()
+    stats = engine.zero_stats()
+    engine.destroy()
+    return stats
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """One intra-op thread: tiny models run ~50x slower with 2 contended threads."""
+
+
+def test_prefetch_bucket_size_zero_stops_prefetch_but_not_reuse():
+    """Default budgets: every backward use finds its unit kept from the forward or prefetched. With a prefetch
+    budget of 0: no prefetch, yet the units are still kept between forward and backward (max_reuse_distance
+    default 1e9), so the backward fetches nothing."""
+    default = second_step_stats()
+    assert default["prefetches"] > 0 and default["prefetched_fraction"] > 0.9, default
+    off = second_step_stats(stage3_prefetch_bucket_size=0)
+    assert off["prefetches"] == 0, off
+    assert off["fetches"] == 18 and off["on_demand"] == 9 and off["already_gathered"] == 9, off
+
+
+def test_max_reuse_distance_decides_what_stays_gathered_without_prefetch():
+    """max_reuse_distance 0 keeps only the last layer (its backward follows its forward at once); 2 x 33 keeps
+    the one before it too (L8's forward and backward lie between its uses); 1e9 keeps every unit."""
+    kept = {}
+    for reuse in (0, 2 * 33, BIG):
+        stats = second_step_stats(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=reuse)
+        kept[reuse] = stats["already_gathered"]
+        assert stats["fetches"] == 18 and stats["on_demand"] == 18 - kept[reuse], stats
+    assert kept == {0: 1, 2 * 33: 2, BIG: 9}, kept
+
+
+def test_max_live_parameters_caps_what_reuse_keeps_without_prefetch():
+    """Without a cap every unit stays gathered from its forward to its backward (the whole model live); with
+    stage3_max_live_parameters 3 units, the peak stays within it plus the unit being fetched."""
+    whole = second_step_stats(stage3_prefetch_bucket_size=0)
+    assert whole["peak_live_numel"] == 8 * UNIT + 33, whole
+    capped = second_step_stats(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=3 * UNIT)
+    assert capped["peak_live_numel"] <= 4 * UNIT, capped
+    assert capped["already_gathered"] < whole["already_gathered"], (capped, whole)
+
+
+def test_nvme_pieces_are_read_ahead_without_prefetch(tmp_path):
+    """Every piece on NVMe (max_in_cpu 0): with a prefetch budget of 0 the next pieces along the trace are still
+    read ahead into the staging ring, so gathers do not wait for the disk."""
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    stats = second_step_stats(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0, offload_param=offload)
+    assert stats["prefetches"] == 0, stats
+    assert stats["read_ahead"] >= 8, stats  # every unit's piece after the first, at least once per pass
