@@ -343,3 +343,54 @@ def test_stage3_over_nccl(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok") == 2, done.stdout
+
+
+ORDER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, infinity
+    from torch.nn import functional as F
+    sys.path.insert(0, sys.argv[1])
+    from infinity.zero import collectives
+    from tests.distributed.test_collective_order import MICRO, Branchy, config
+    engine, *_ = infinity.initialize(model=Branchy(), config=config())
+    assert torch.distributed.get_backend() == "nccl" and engine.stage3.coordinator.one_order
+    rank, issued = engine.global_rank, []
+    gather, reduce = collectives.all_gather_pieces, collectives.reduce_scatter_mean
+
+    def logged_gather(comm, flat, piece, *, async_op):
+        issued.append(["all-gather", comm.name, flat.numel()])
+        return gather(comm, flat, piece, async_op=async_op)
+
+    def logged_reduce(comm, output, flat, *, async_op):
+        issued.append(["reduce-scatter", comm.name, flat.numel()])
+        return reduce(comm, output, flat, async_op=async_op)
+
+    collectives.all_gather_pieces, collectives.reduce_scatter_mean = logged_gather, logged_reduce
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(2 * MICRO, 8, generator=gen), torch.randn(2 * MICRO, 4, generator=gen)
+        part = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(F.mse_loss(engine(x[part]), y[part].cuda()))
+        engine.step()
+    torch.cuda.synchronize()
+    print("issued", rank, json.dumps(issued), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_fetches_and_reductions_in_one_order_over_nccl(tmp_path):
+    """[Note: one collective order]: a rank-dependent branch (tests/distributed/test_collective_order.py) makes the
+    ranks' backwards differ; the fetch group's all-gathers and the data-parallel group's reduce-scatters must still
+    be issued in one order on every rank. CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream's kernels in one queue,
+    so two orders would deadlock (here: time out) rather than pass by luck."""
+    script = tmp_path / "order.py"
+    script.write_text(ORDER_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), root]  # fmt: skip
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    issued = dict(line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.startswith("issued "))
+    assert set(issued) == {"0", "1"} and issued["0"] == issued["1"], done.stdout[-3000:]
