@@ -17,10 +17,12 @@ it in host memory, and on a GPU it would be the largest thing there, 4 bytes per
 offload_optimizer.pin_memory asks and CUDA exists, and each reduced piece is streamed into it as it is reduced, as
 DeepSpeed does: copied device -> host on a side stream with an event ([Note: host copies] in memory/copies.py), the
 device piece freed once the copy has read it; a later piece of the same region is copied into a pinned staging
-buffer and added on the host once it has landed. The GPU holds only the pieces in flight, never the shard. The host
-reads the gradient only after every copy has landed (``tensors()`` and ``free()`` wait). Unpinned, the copies
-block the host, as any copy into pageable memory does. Pinned memory freed by the step stays in torch's pinned
-cache, which hands it to the next window. Without CUDA the host is the compute device: nothing moves.
+buffer and added on the host once it has landed. The GPU holds only the pieces in flight, never the shard: at
+most MAX_IN_FLIGHT copies are queued (a piece's memory is reused only once its copy has read it, so copies lagging
+behind the reductions would hold more). The host reads the gradient only after every copy has landed
+(``tensors()`` and ``free()`` wait). Unpinned, the copies block the host, as any copy into pageable memory does.
+Pinned memory freed by the step stays in torch's pinned cache, which hands it to the next window. Without CUDA
+the host is the compute device: nothing moves.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 from infinity.memory.copies import HostCopies
 from infinity.zero.partition import GroupLayout
 
-MAX_STAGED = 2  # pieces waiting in pinned staging buffers to be added on the host before backward waits for them
+MAX_IN_FLIGHT = 4  # device -> host copies queued before backward waits for the oldest: the device pieces (and
+# staging buffers) they hold stay bounded even when the copies lag behind the reductions
 
 
 def gradient_device(device: torch.device, *, offloaded: bool) -> torch.device:
@@ -54,7 +57,6 @@ class GradientShards:
         self._written: set[tuple[int, int]] = set()  # (group, offset) written in this window
         self._complete = False  # every region written or zeroed since the last new region
         self._copies: HostCopies | None = None  # pieces from another device land through it
-        self._staged = 0  # pieces in staging buffers, not added yet
 
     @classmethod
     def for_layouts(cls, layouts: Sequence[GroupLayout], device: torch.device, *,
@@ -91,20 +93,12 @@ class GradientShards:
         """The piece streamed into host memory ([Note: gradient shards])."""
         if self._copies is None:
             self._copies = HostCopies(piece.device)
-        self._copies.settle(block=False)
         if first:
             self._copies.copy(target, piece)
-            return
-        staged = self._new(piece.numel()) if self.pinned else torch.empty(piece.numel(), dtype=torch.float32)
-
-        def add(target=target, staged=staged) -> None:
-            target.add_(staged)
-            self._staged -= 1
-
-        self._staged += 1
-        self._copies.copy(staged, piece, then=add)
-        if self._staged > MAX_STAGED:
-            self._copies.settle(block=True)
+        else:
+            staged = self._new(piece.numel())
+            self._copies.copy(staged, piece, then=lambda target=target, staged=staged: target.add_(staged))
+        self._copies.settle(block=True, keep=MAX_IN_FLIGHT)
 
     def _settle(self) -> None:
         if self._copies is not None:

@@ -202,10 +202,10 @@ def test_zero_init_keeps_pieces_on_the_device():
 
 
 def deep_mlp() -> nn.Module:
-    """32 layers of 512 x 512 (1 MiB each in fp32): a step's gradient is 32 MiB, one layer's is small beside it."""
+    """64 layers of 512 x 512 (1 MiB each in fp32): a step's gradient is 64 MiB, one layer's is small beside it."""
     torch.manual_seed(5)
     layers = []
-    for _ in range(32):
+    for _ in range(64):
         layers += [nn.Linear(512, 512, bias=False), nn.Tanh()]
     return nn.Sequential(*layers)
 
@@ -220,7 +220,8 @@ def test_offloaded_optimizer_streams_the_gradient_to_pinned_host_memory(stage):
     """[Note: gradient shards]: with offload_optimizer cpu the reduced fp32 gradient (4 bytes per parameter, twice
     the 16-bit weights) lives in pinned host memory and each piece is streamed there as it is reduced: over a
     step (two micro-steps, so pieces are also added on the host) the device's peak stays far below the gradient
-    shard, which was allocated whole on the device before. The result is plain PyTorch's."""
+    shard, which was allocated whole on the device before; so does the memory the allocator reserves from an empty
+    cache (device pieces whose copies lag would show there). The result is plain PyTorch's."""
     zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "reduce_bucket_size": 512 * 512}
     if stage == 3:  # parameters in host memory; at most four layers gathered at once
         zero.update(offload_param={"device": "cpu", "pin_memory": True}, stage3_max_live_parameters=4 * 512 * 512,
@@ -230,11 +231,12 @@ def test_offloaded_optimizer_streams_the_gradient_to_pinned_host_memory(stage):
     settings["optimizer"]["params"]["lr"] = 1e-3
     engine, *_ = infinity.initialize(model=deep_mlp(), config=settings)
     gradient_bytes = 4 * sum(p.numel() for p in deep_mlp().parameters())  # at world size 1: the whole gradient
-    losses, peaks = [], []
+    losses, peaks, reserved = [], [], []
     for step, (x, y) in enumerate(deep_batches(3)):
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        before, cached = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         total = 0.0
         for half in (slice(0, 4), slice(4, 8)):
             loss = F.mse_loss(engine(x[half]), y[half].cuda())
@@ -248,7 +250,9 @@ def test_offloaded_optimizer_streams_the_gradient_to_pinned_host_memory(stage):
         losses.append(total)
         if step > 0:  # the first step records the trace and allocates what every step reuses
             peaks.append(torch.cuda.max_memory_allocated() - before)
+            reserved.append(torch.cuda.max_memory_reserved() - cached)
     assert max(peaks) < gradient_bytes / 2, f"device peak {max(peaks) / 2**20:.1f} MiB over a step"
+    assert max(reserved) < 3 * gradient_bytes / 4, f"reserved {max(reserved) / 2**20:.1f} MiB more over a step"
     with infinity.zero.GatheredParameters(list(engine.module.parameters())):
         params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
