@@ -17,7 +17,7 @@ import infinity
 from infinity.zero import collectives
 from tests.distributed.harness import run_distributed
 
-STEPS, MICRO = 3, 4
+STEPS, MICRO = 2, 4
 
 
 class Branchy(nn.Module):
@@ -34,21 +34,22 @@ class Branchy(nn.Module):
         return self.c(h)
 
 
-def config() -> dict:
+def config(overlap_comm: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": overlap_comm},
     }
 
 
 def _issued_collectives(rank: int, world_size: int) -> dict:
-    """Per setting of one_order: the unit all-gathers and gradient reduce-scatters this rank issued, in order
-    (header exchanges, int64 tensors, left out), and the losses."""
+    """Per (one_order, overlap_comm): the unit all-gathers and gradient reduce-scatters this rank issued, in order
+    (header exchanges, int64 tensors, left out), and the losses. Without overlap_comm each reduction is waited
+    for inside backward ([Note: launch order] in zero/reducer.py), between the launches' own waits."""
     gather, reduce = collectives.all_gather_pieces, collectives.reduce_scatter_mean
     results = {}
-    for one_order in (True, False):
-        engine, *_ = infinity.initialize(model=Branchy(), config=config())
+    for one_order, overlap in ((True, True), (False, True), (True, False)):
+        engine, *_ = infinity.initialize(model=Branchy(), config=config(overlap))
         default = engine.stage3.coordinator.one_order
         engine.stage3.coordinator.one_order = one_order
         issued, losses = [], []
@@ -76,19 +77,20 @@ def _issued_collectives(rank: int, world_size: int) -> dict:
         finally:
             collectives.all_gather_pieces, collectives.reduce_scatter_mean = gather, reduce
         engine.destroy()
-        results[one_order] = {"issued": issued, "losses": losses, "default": default}
+        results[one_order, overlap] = {"issued": issued, "losses": losses, "default": default}
     return results
 
 
 def test_every_rank_issues_fetches_and_reductions_in_one_order(tmp_path):
     ranks = run_distributed(_issued_collectives, 2, tmp_path, timeout_s=120)
-    assert [r[True]["default"] for r in ranks] == [False, False]  # gloo: off unless asked (NCCL: on)
-    ordered = [r[True]["issued"] for r in ranks]
-    assert any(op == "reduce-scatter" for op, _ in ordered[0]) and any(op == "all-gather" for op, _ in ordered[0])
-    assert ordered[0] == ordered[1], "with one_order the ranks issued their collectives in different orders"
-    unordered = [r[False]["issued"] for r in ranks]
+    assert [r[True, True]["default"] for r in ranks] == [False, False]  # gloo: off unless asked (NCCL: on)
+    for overlap in (True, False):
+        ordered = [r[True, overlap]["issued"] for r in ranks]
+        assert {op for op, _ in ordered[0]} == {"all-gather", "reduce-scatter"}
+        assert ordered[0] == ordered[1], f"overlap_comm {overlap}: with one_order the ranks' orders differ"
+    unordered = [r[False, True]["issued"] for r in ranks]
     assert sorted(unordered[0]) == sorted(unordered[1]) and unordered[0] != unordered[1], (
         "without one_order the ranks' orders should differ here (else this test no longer exercises the hazard)"
     )
-    for r in ranks:  # only the timing of the launches changes, not the math
-        assert r[True]["losses"] == r[False]["losses"]
+    for r in ranks:  # only when the reductions are launched changes, not the math
+        assert r[True, True]["losses"] == r[False, True]["losses"] == r[True, False]["losses"]
