@@ -256,14 +256,16 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
                             share * 4 * momentum_states))  # fmt: skip
 
-    # ---- gradients: the reduced fp32 gradient is on the compute device, or on NVMe with the optimizer at stage 3 ----
+    # ---- gradients: the reduced fp32 gradient is where the optimizer steps: the compute device, host memory
+    # (offloaded: [Note: gradient shards] in zero/gradient_shards.py), or NVMe with the optimizer there at stage 3 ----
+    grad_home = _home("cpu", offload_opt.pin_memory, cuda=cuda) if offload_opt.enabled else Where.DEVICE
     if zero.stage <= 1:
         rows.append(Row("model states", "fp32 gradient buffers (whole: all-reduced at the boundary)", Where.DEVICE,
                         trainable * 4))  # fmt: skip
         rows.append(Row("model states", "reduced fp32 gradient (this rank's share; stage 0: all of it)",
-                        Where.DEVICE, share * 4))  # fmt: skip
+                        grad_home, share * 4))  # fmt: skip
     else:
-        home = Where.NVME if grad_on_nvme else Where.DEVICE
+        home = Where.NVME if grad_on_nvme else grad_home
         grad_bytes = swap.gradients if grad_on_nvme else share * 4
         rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:

@@ -1,7 +1,8 @@
 """Collectives on flat buffers: free functions taking the process group explicitly.
 
 At world size 1 (or without a process group) they are no-ops, so a single process needs no launcher.
-gloo has no AVG reduction, so averages are a SUM followed by a division.
+gloo has no AVG reduction, so averages are a SUM followed by a division. At stage 3 two groups carry collectives
+in one pass (fetches, reductions); the order they are issued in is [Note: one collective order] in rendezvous.py.
 """
 
 from __future__ import annotations

@@ -146,6 +146,8 @@ class Coordinator:
         # at most since the last call
         self.before_drain: Callable[[], None] | None = None  # the reducer launches what backward left: a rank
         # that says it is done has launched every reduction ([Note: launch order] in reducer.py)
+        self.one_order = False  # each reduction in the pass launched at an exchange, so every collective is issued
+        # in one order on every rank (NCCL: [Note: one collective order] in rendezvous.py)
         self._reset_pass(grad_mode=True)
 
     # ---- pass boundaries ----
@@ -219,6 +221,16 @@ class Coordinator:
             self._rendezvous.wait(launched, needed, self._gather_for_others)
         pending.wait()
         self.stats.reduce_waits += 1
+        self.stats.reduce_blocked_s += time.perf_counter() - started
+
+    def before_launch(self, sequence: int) -> None:
+        """With ``one_order``: before this backward's ``sequence``-th reduction is launched inside the pass, waits
+        (answering fetches) until every rank is about to launch it, so that every rank launches it right after the
+        same exchange ([Note: one collective order] in rendezvous.py)."""
+        if not self.one_order or not self.comm.active:
+            return
+        started = time.perf_counter()
+        self._rendezvous.wait(sequence, sequence, self._gather_for_others)
         self.stats.reduce_blocked_s += time.perf_counter() - started
 
     # ---- events ----

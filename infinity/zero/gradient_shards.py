@@ -10,6 +10,19 @@ gradient is read (``tensors()``); ``free()`` after the step, taken or skipped, g
 zeroed, so its pages are touched as pieces arrive in backward, while activations are being freed, not all at once
 before it. Measured on GPT-2 124M (fp32, world size 1): the gradient held through forward was 0.46 GiB of a 4.7 GiB
 peak.
+
+Where it lives: on the compute device, unless the optimizer is offloaded (host memory or NVMe): then the step reads
+it in host memory, and on a GPU it would be the largest thing there, 4 bytes per element of the shard, twice the
+16-bit parameters. So with offload_optimizer it is held in host memory (``gradient_device``), pinned when
+offload_optimizer.pin_memory asks and CUDA exists, and each reduced piece is streamed into it as it is reduced, as
+DeepSpeed does: copied device -> host on a side stream with an event ([Note: host copies] in memory/copies.py), the
+device piece freed once the copy has read it; a later piece of the same region is copied into a pinned staging
+buffer and added on the host once it has landed. The GPU holds only the pieces in flight, never the shard: at
+most MAX_IN_FLIGHT copies are queued (a piece's memory is reused only once its copy has read it, so copies lagging
+behind the reductions would hold more). The host reads the gradient only after every copy has landed
+(``tensors()`` and ``free()`` wait). Unpinned, the copies block the host, as any copy into pageable memory does.
+Pinned memory freed by the step stays in torch's pinned cache, which hands it to the next window. Without CUDA
+the host is the compute device: nothing moves.
 """
 
 from __future__ import annotations
@@ -18,47 +31,87 @@ from collections.abc import Sequence
 
 import torch
 
+from infinity.memory.copies import HostCopies
 from infinity.zero.partition import GroupLayout
+
+MAX_IN_FLIGHT = 4  # device -> host copies queued before backward waits for the oldest: the device pieces (and
+# staging buffers) they hold stay bounded even when the copies lag behind the reductions
+
+
+def gradient_device(device: torch.device, *, offloaded: bool) -> torch.device:
+    """Where the reduced gradient lives: the host when the optimizer steps there or on NVMe, else ``device``."""
+    return torch.device("cpu") if offloaded else device
 
 
 class GradientShards:
-    def __init__(self, regions: Sequence[Sequence[tuple[int, int]]], numels: Sequence[int], device: torch.device):
+    def __init__(self, regions: Sequence[Sequence[tuple[int, int]]], numels: Sequence[int], device: torch.device,
+                 *, pin_memory: bool = False):  # fmt: skip
         """``regions``: per group, the (offset, numel) of every piece a reduction writes; ``numels``: per group,
-        the shard's elements (the regions tile it)."""
+        the shard's elements (the regions tile it). ``device``: where the gradient lives (``gradient_device``);
+        ``pin_memory``: in host memory, pinned where CUDA exists, so that pieces stream in."""
         self.regions = [list(group) for group in regions]
         self.numels = list(numels)
         self.device = device
+        self.pinned = pin_memory and device.type == "cpu" and torch.cuda.is_available()
         self._tensors: list[torch.Tensor | None] = [None] * len(self.numels)
         self._written: set[tuple[int, int]] = set()  # (group, offset) written in this window
         self._complete = False  # every region written or zeroed since the last new region
+        self._copies: HostCopies | None = None  # pieces from another device land through it
 
     @classmethod
-    def for_layouts(cls, layouts: Sequence[GroupLayout], device: torch.device) -> GradientShards:
+    def for_layouts(cls, layouts: Sequence[GroupLayout], device: torch.device, *,
+                    pin_memory: bool = False) -> GradientShards:  # fmt: skip
         """One tensor per layout (param group, or stage 3's flat shard); a region per bucket piece."""
         regions = [[(b.shard_offset, b.piece_numel) for b in layout.buckets] for layout in layouts]
-        return cls(regions, [layout.shard_numel for layout in layouts], device)
+        return cls(regions, [layout.shard_numel for layout in layouts], device, pin_memory=pin_memory)
+
+    @property
+    def home(self) -> str:
+        return "host" if self.device.type == "cpu" else "device"
+
+    def _new(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32, device=self.device, pin_memory=self.pinned)
 
     def write(self, group: int, offset: int, piece: torch.Tensor) -> None:
         """Region (group, offset) <- piece, or += piece after its first piece of the window."""
         tensor = self._tensors[group]
         if tensor is None:
-            tensor = self._tensors[group] = torch.empty(self.numels[group], dtype=torch.float32, device=self.device)
+            tensor = self._tensors[group] = self._new(self.numels[group])
         target = tensor[offset : offset + piece.numel()]
-        if (group, offset) in self._written:
-            # a copy to another device must be complete before the add reads it: no non_blocking then
-            target.add_(piece if piece.device == target.device else piece.to(target.device))
+        first = (group, offset) not in self._written
+        if piece.device != target.device:  # reduced on the device, held in host memory
+            self._land(target, piece, first=first)
+        elif first:
+            target.copy_(piece, non_blocking=True)
         else:
-            target.copy_(piece, non_blocking=piece.device == target.device)
+            target.add_(piece)
+        if first:
             self._written.add((group, offset))
             self._complete = False
 
+    def _land(self, target: torch.Tensor, piece: torch.Tensor, *, first: bool) -> None:
+        """The piece streamed into host memory ([Note: gradient shards])."""
+        if self._copies is None:
+            self._copies = HostCopies(piece.device)
+        if first:
+            self._copies.copy(target, piece)
+        else:
+            staged = self._new(piece.numel())
+            self._copies.copy(staged, piece, then=lambda target=target, staged=staged: target.add_(staged))
+        self._copies.settle(block=True, keep=MAX_IN_FLIGHT)
+
+    def _settle(self) -> None:
+        if self._copies is not None:
+            self._copies.settle(block=True)
+
     def tensors(self) -> list[torch.Tensor]:
         """The window's gradient per group, complete: regions that got no piece read as zeros."""
+        self._settle()
         if self._complete:
             return self._tensors
         for group, numel in enumerate(self.numels):
             if self._tensors[group] is None:
-                self._tensors[group] = torch.empty(numel, dtype=torch.float32, device=self.device)
+                self._tensors[group] = self._new(numel)
             for offset, count in self.regions[group]:
                 if (group, offset) not in self._written:
                     self._tensors[group][offset : offset + count].zero_()
@@ -67,6 +120,7 @@ class GradientShards:
         return self._tensors
 
     def free(self) -> None:
+        self._settle()  # no copy may still be writing into the memory given back
         self._tensors = [None] * len(self.numels)
         self._written.clear()
         self._complete = False

@@ -16,10 +16,13 @@ lost, as in DeepSpeed.
 
 The engine's stage 3 (stage3.py) later regroups these per-parameter pieces into units, one module at a time.
 
-With offload_param on NVMe in the config (or ``remote_device="nvme"``), each piece goes to a swap store of
-its own as soon as it is cut (``InitSwap``): the process holds one module's parameters at a time, so a model
-larger than host memory can be built. Gathering a parameter reads its piece back; initialize() takes every
-piece into the engine's own stores, and the Init store's files go when the last piece is taken (or at exit).
+Each piece goes to its home tier as soon as it is cut, so the device never holds more than the module being
+built: with offload_param on NVMe in the config (or ``remote_device="nvme"``) to a swap store of its own
+(``InitSwap``): the process holds one module's parameters at a time, so a model larger than host memory can be
+built; with offload_param cpu (or ``remote_device="cpu"``) to host memory, so a model whose 1/N share does not fit
+the device can be built; else it stays on the compute device. Gathering a parameter brings its piece back to the
+compute device (collectives run there); initialize() takes every piece into the engine's own stores, and the Init
+store's files go when the last piece is taken (or at exit).
 
 [Note: zero.Init memory]
 Freed full-size parameters must really be given back, or the heap grows by a full model anyway: glibc serves
@@ -142,17 +145,20 @@ class SwappedPiece:
 
 @dataclass(slots=True)
 class InitShard:
-    """This rank's piece of one parameter partitioned by zero.Init: in memory, or on NVMe (``swapped``)."""
+    """This rank's piece of one parameter partitioned by zero.Init: in memory (on the compute device, or in host
+    memory), or on NVMe (``swapped``)."""
 
     shape: torch.Size
-    piece: torch.Tensor | None  # (padded numel / world_size,); None when swapped
+    piece: torch.Tensor | None  # (padded numel / world_size,), on the device or the host; None when swapped
     comm: Comm
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # the compute device: where the piece is gathered (NCCL needs device tensors)
     swapped: SwappedPiece | None = None
 
     def local(self) -> torch.Tensor:
-        return self.piece if self.swapped is None else self.swapped.read(self.dtype).to(self.device)
+        """The piece on the compute device."""
+        piece = self.piece if self.swapped is None else self.swapped.read(self.dtype)
+        return piece.to(self.device)
 
     def set_local(self, piece: torch.Tensor) -> None:
         if self.swapped is None:
@@ -188,10 +194,11 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
 
 def _partition(
     param: nn.Parameter, comm: Comm, *, broadcast: bool, device: torch.device | None = None,
-    swap: InitSwap | None = None, module_of: nn.Module | None = None,
+    swap: InitSwap | None = None, module_of: nn.Module | None = None, host: bool = False,
 ) -> None:  # fmt: skip
-    """``device``: where the piece lives (the compute device: NCCL broadcasts device tensors); default the
-    parameter's own. ``swap``: a new piece goes to NVMe there."""
+    """``device``: where the parameter is cut and gathered (the compute device: NCCL broadcasts device tensors);
+    default the parameter's own. A new piece's home: NVMe through ``swap``, host memory (``host``), else
+    ``device``."""
     data = param.data
     device = data.device if device is None else device
     numel = data.numel()
@@ -202,8 +209,9 @@ def _partition(
     shard = init_shard(param)
     if shard is None:
         common = {"shape": data.shape, "comm": comm, "dtype": data.dtype, "device": device}
-        if swap is None:
-            _SHARDS[param] = InitShard(piece=piece.clone(), **common)
+        if swap is None:  # the home's own copy: the flat buffer of the whole parameter goes now
+            kept = piece.to("cpu", copy=True) if host else piece.clone()
+            _SHARDS[param] = InitShard(piece=kept, **common)
         else:
             owner = f"a parameter of shape {tuple(data.shape)}"
             if module_of is not None:
@@ -307,10 +315,10 @@ class Init:
     """``with infinity.zero.Init(): model = MyModel()`` builds the model already partitioned.
 
     DeepSpeed's arguments, each doing what DeepSpeed documents or refused by name ([Note: zero.Init arguments]):
-    ``config_dict_or_path`` (or ``config``; offload_param and aio are read: with offload_param on NVMe the pieces
-    go there as they are cut), ``remote_device`` ("nvme" sends them to offload_param.nvme_path of the config
-    even if its device says otherwise; "cpu" or "none" keep them in memory, on the compute device, whatever the
-    config says; None follows the config), ``enabled`` (False: the model is built normally), ``dtype`` (the
+    ``config_dict_or_path`` (or ``config``; offload_param and aio are read: with offload_param on NVMe or cpu the
+    pieces go there as they are cut), ``remote_device`` ("nvme" sends them to offload_param.nvme_path of the
+    config even if its device says otherwise; "cpu" keeps them in host memory and "none" on the compute device,
+    whatever the config says; None follows the config), ``enabled`` (False: the model is built normally), ``dtype`` (the
     floating-point parameters are cut in it), ``module`` (an existing model is partitioned at once, its
     weights rank 0's) and ``data_parallel_group`` (the group to partition over: every rank, as the engine's).
     The pieces on NVMe stay there until initialize() has moved each into the engine's own swap files: the disk
@@ -353,6 +361,7 @@ class Init:
         _check_group(data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group)
         raw = config if config is not None else config_dict_or_path
         self._nvme = self._nvme_settings(raw, remote_device)
+        self._host = self._nvme is None and _host_pieces(raw, remote_device)
         self._swap: InitSwap | None = None
         self._originals: dict[type, object] = {}
         self._depth: dict[int, int] = {}
@@ -462,7 +471,18 @@ class Init:
             if param is not None and init_shard(param) is None:
                 if self.dtype is not None and param.is_floating_point():
                     param.data = param.data.to(self.dtype)
-                _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap, module_of=module)
+                _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap, module_of=module,
+                           host=self._host)  # fmt: skip
+
+
+def _host_pieces(raw, remote_device: str | None) -> bool:
+    """Whether the pieces live in host memory: remote_device "cpu", or offload_param cpu in the config when
+    remote_device is not given (DeepSpeed's default: the offload_param device)."""
+    if remote_device is not None or raw is None:
+        return remote_device == "cpu"
+    from infinity.config import offload_sections
+
+    return offload_sections(raw)[0].offload_param.device == "cpu"
 
 
 class GatheredParameters:

@@ -25,7 +25,7 @@ from infinity.errors import ConfigError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm
-from infinity.zero.gradient_shards import GradientShards
+from infinity.zero.gradient_shards import GradientShards, gradient_device
 from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.partition import Bucket, GroupLayout, overlap, plan
 from infinity.zero.reducer import GradientReducer
@@ -242,6 +242,13 @@ class _TileGather:
                 self.flat[first : first + self.numel].copy_(self.gathered[rank * self.numel : (rank + 1) * self.numel])
 
 
+def _gradient_shards(layouts, device: torch.device, offload: Offload | None) -> GradientShards:
+    """The reduced gradient: in host memory when the optimizer is offloaded ([Note: gradient shards])."""
+    offloaded = offload is not None and offload.home is not Tier.DEVICE
+    return GradientShards.for_layouts(layouts, gradient_device(device, offloaded=offloaded),
+                                      pin_memory=offloaded and offload.manager.pin_memory)  # fmt: skip
+
+
 def _drop_grad(then: Callable[[], None] | None):
     def hook(param: torch.Tensor) -> None:
         param.grad = None
@@ -298,7 +305,7 @@ class ZeroOptimizer(PartitionedOptimizer):
             for master, (group, _) in zip(self.masters, self._master_at, strict=True):
                 optimizer.param_groups[group]["params"].append(master)
             optimizer.state.clear()
-        self.gradients_in_memory = GradientShards.for_layouts(self.layouts, device)
+        self.gradients_in_memory = _gradient_shards(self.layouts, device, offload)
         self.reducer = GradientReducer(
             comm=comm, stage=stage, layouts=self.layouts, gradients=self.gradients_in_memory,
             shard_rank=self.shard_rank, device=device, overlap_comm=overlap_comm,
@@ -492,7 +499,7 @@ class UnitOptimizer(PartitionedOptimizer):
             self.tiled.gradients = self.gradients
             self.gradients_in_memory = None  # [Note: swapped gradients]
         else:
-            self.gradients_in_memory = GradientShards.for_layouts([table.layout], device)
+            self.gradients_in_memory = _gradient_shards([table.layout], device, offload)
         self._tiles_of_unit: dict[int, list[Tile]] = {}
         for tile in self.tiled.tiles:
             self._tiles_of_unit.setdefault(tile.piece, []).append(tile)

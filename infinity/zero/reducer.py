@@ -93,6 +93,8 @@ class GradientReducer:
     launch_order: Callable[[], Sequence[int]] | None = None
     wait_in_backward: Callable[[Pending, int, int], None] | None = None
     in_flight_numel: int | None = None  # most elements being reduced at once (one bucket always goes); None: any
+    before_launch: Callable[[int], None] | None = None  # stage 3: called with k before this backward's k-th launch
+    # inside the pass ([Note: one collective order] in rendezvous.py)
     peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
     peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
     _waiting_bytes: int = 0
@@ -197,6 +199,8 @@ class GradientReducer:
             self._launch(state, in_backward=in_backward)
 
     def _launch(self, state: _BucketState, *, in_backward: bool) -> None:
+        if in_backward and self.before_launch is not None:
+            self.before_launch(self._launched + 1)  # [Note: one collective order] in rendezvous.py
         # Stage 3 in backward: always asynchronous, then waited for below ([Note: launch order])
         waits_here = in_backward and self.wait_in_backward is not None
         async_op = self.overlap_comm or waits_here

@@ -10,13 +10,33 @@ function of the exchanged headers alone, identical on every rank, whatever each 
 A rank with nothing to ask issues nothing: on an agreed trace every rank asks at the same events (identical
 traces, identical plans), and a rank whose header finds the others elsewhere simply waits until they ask next.
 A rank that finishes its pass keeps answering with "done" headers (the drain in Coordinator.end_pass) until
-every rank is done, so a request is always answered. Gradient reductions use the other group, so their timing
-never interleaves with fetches. With one process there is nothing to exchange.
+every rank is done, so a request is always answered. Gradient reductions use the other group; where they fall
+among the fetches is [Note: one collective order]. With one process there is nothing to exchange.
 Two more waits keep answering the same way, so no rank ever blocks where a peer may need it for a fetch: the
 agreement before each backward on the order gradient reductions launch in (``agree``: every rank's value, once
 all ranks are there), and a rank waiting in backward until every peer has launched a reduction (``wait``: a
 peer may need a fetch first; [Note: launch order] in reducer.py). Agreeing and waiting ranks list no units:
 their header carries a value where the units would be.
+
+[Note: one collective order]
+With NCCL the fetches' all-gathers (the fetch group) and the gradients' reduce-scatters (the data-parallel group)
+are kernels of two communicators, each on its own stream, and NCCL needs the collectives of communicators used
+concurrently to be issued in the same order on every rank: a rank whose all-gather waits for a peer that has
+queued it behind a reduce-scatter, itself waiting for this rank, deadlocks as soon as the two kernels cannot run
+side by side (CUDA_DEVICE_MAX_CONNECTIONS=1, a device-wide synchronization such as a cudaFree, too few free SMs).
+The fetches alone are in one order (the exchanges above), the reductions alone too ([Note: launch order] in
+reducer.py), but where a reduction falls among the fetches follows each rank's own backward: a rank whose graph
+differs (a rank-dependent branch, parameters unused on one rank) launches it before a fetch that a peer issues
+before launching it. So with NCCL (``Coordinator.one_order``) each reduction launched inside the pass is
+launched at an exchange: before its k-th launch a rank waits (``wait``, answering fetches, its header saying k)
+until every rank is about to launch the same k-th reduction, and each launches it right after that exchange,
+before any other collective. Every collective of a pass on either group then directly follows an exchange of
+headers, whose sequence is the same on every rank, so the whole order is the same on every rank. Saying k
+before launching it is safe: the other ranks' waits for a reduction j need j <= k - 1, launched by every rank
+already. What backward leaves is launched the same way before the drain (``launch_rest``); after the pass only
+the step's collectives remain, on one group. Over gloo every group has its own connections and threads, so
+none of this is needed and none is added. The cost: one header exchange per reduction, and a rank that is ready
+first waits there for the others.
 
 Only the protocol lives here (the headers, the drain, the gather taken part in for others); what to ask for,
 and what becomes of a unit once gathered, is the coordinator's.

@@ -71,6 +71,8 @@ class UnitShards:
         self.rank = rank
         self.manager = manager
         self.copies = CopyStream(device)  # host -> device stage-in ([Note: copy stream])
+        self._copying: dict[int, torch.cuda.Event] = {}  # unit -> the copy still reading its host piece ([Note:
+        # host copies] in memory/copies.py): waited for before the host writes the piece
         self.flat: torch.Tensor | None = None
         # NVME home: the pieces in memory, gathered and edited in place: the persistent unit's (on the device)
         # and those max_in_cpu keeps (in host memory)
@@ -128,10 +130,11 @@ class UnitShards:
     def load_into(self, index: int, out: torch.Tensor) -> None:
         """out <- the piece. With CUDA, inside ``copies.side()`` the copy is queued on the side stream ([Note: copy
         stream] in memory/copies.py); a staging buffer goes back to the ring when it has been copied."""
-        if index in self._resident:
-            self.copies.copy(out, self._resident[index])
-        elif self.flat is not None:
-            self.copies.copy(out, self.flat[self._span(index)])
+        if index in self._resident or self.flat is not None:
+            source = self._resident[index] if index in self._resident else self.flat[self._span(index)]
+            event = self.copies.copy(out, source)
+            if event is not None:  # a non-blocking copy from the host piece, which the step rewrites in place
+                self._copying[index] = event
         elif index in self._fresh:  # its write may still be reading it: the manager holds it till done
             self.copies.copy(out, self._fresh.pop(index), then_reuse_source=True)
             self.manager.reap_loose_writes()
@@ -177,8 +180,16 @@ class UnitShards:
         return self.manager.buffer_count if self.on_nvme else 0
 
     # ---- writing ----
+    def _copied(self, index: int) -> None:
+        """Before the host writes a host piece in place: the copy still reading it has finished ([Note: host
+        copies] in memory/copies.py)."""
+        event = self._copying.pop(index, None)
+        if event is not None:
+            event.synchronize()
+
     def store(self, index: int, values: torch.Tensor) -> None:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
+        self._copied(index)
         if index in self._staged:
             self.manager.release(self._staged.pop(index), dirty=False)
         self._drop_fresh(index)
@@ -192,6 +203,7 @@ class UnitShards:
     def edit(self, index: int, *, overwrite: bool = False) -> torch.Tensor:
         """The piece, writable in place until ``commit(index)``. ``overwrite``: the caller writes every element
         of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
+        self._copied(index)
         if index in self._resident:
             return self._resident[index]
         if self.flat is not None:
@@ -267,6 +279,8 @@ class UnitShards:
         return out
 
     def close(self) -> None:
+        for index in list(self._copying):
+            self._copied(index)
         self._staged.clear()
         self._fresh.clear()
         self._editing.clear()

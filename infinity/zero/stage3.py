@@ -133,6 +133,7 @@ class Stage3:
         reducer.launch_order = self.coordinator.reduce_order
         reducer.wait_in_backward = self.coordinator.wait_for_reduction
         reducer.in_flight_numel = self.reduce_bucket_numel
+        reducer.before_launch = self.coordinator.before_launch  # [Note: one collective order] in rendezvous.py
         self.coordinator.reduction_peaks = reducer.take_peaks
         self.coordinator.before_drain = reducer.launch_rest
 
@@ -193,6 +194,7 @@ def setup_stage3(
     on_gloo = not comm.active or dist.get_backend(comm.group) == "gloo"
     headers = fetch if on_gloo else distributed.new_comm("ZeRO-3 fetch header", backend="gloo")
     coordinator = Coordinator(table, fetch, knobs, header_comm=headers)
+    coordinator.one_order = not on_gloo  # NCCL: [Note: one collective order] in rendezvous.py
     stage3 = Stage3(
         table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator),
         check_call=distributed.check_call, reduce_bucket_numel=zero.reduce_bucket_size,

@@ -1,9 +1,11 @@
 """CUDA paths that a CPU machine cannot exercise: stage 3 with parameters on the device and fetch headers on a
-gloo side group next to NCCL, zero.Init pieces on the device, and stage 2 with the optimizer offloaded to the
-host (device -> host gradient copies that must be complete before the step reads them), and ZeRO-Infinity
-offload of parameters and optimizer to pinned host memory and NVMe.
+gloo side group next to NCCL, zero.Init pieces on the device or in host memory as each module is built, and stage 2
+with the optimizer offloaded to the host (device -> host gradient copies that must be complete before the step reads
+them), the reduced gradient streamed to pinned host memory rather than held on the device, host pieces rewritten
+by the step only after their copy to the device has finished, and ZeRO-Infinity offload of parameters and
+optimizer to pinned host memory and NVMe.
 
-Skipped without CUDA; the NCCL test needs two GPUs. `benchmarks/gpu/run_checks.sh` runs them on a GPU machine.
+Skipped without CUDA; the NCCL tests need two GPUs. `benchmarks/gpu/run_checks.sh` runs them on a GPU machine.
 """
 
 from __future__ import annotations
@@ -199,6 +201,123 @@ def test_zero_init_keeps_pieces_on_the_device():
     engine.destroy()
 
 
+def deep_mlp() -> nn.Module:
+    """64 layers of 512 x 512 (1 MiB each in fp32): a step's gradient is 64 MiB, one layer's is small beside it."""
+    torch.manual_seed(5)
+    layers = []
+    for _ in range(64):
+        layers += [nn.Linear(512, 512, bias=False), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def deep_batches(steps: int):
+    gen = torch.Generator().manual_seed(13)
+    return [(torch.randn(8, 512, generator=gen), torch.randn(8, 512, generator=gen)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_optimizer_streams_the_gradient_to_pinned_host_memory(stage):
+    """[Note: gradient shards]: with offload_optimizer cpu the reduced fp32 gradient (4 bytes per parameter, twice
+    the 16-bit weights) lives in pinned host memory and each piece is streamed there as it is reduced: over a
+    step (two micro-steps, so pieces are also added on the host) the device's peak stays far below the gradient
+    shard, which was allocated whole on the device before; so does the memory the allocator reserves from an empty
+    cache (device pieces whose copies lag would show there). The result is plain PyTorch's."""
+    zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}, "reduce_bucket_size": 512 * 512}
+    if stage == 3:  # parameters in host memory; at most four layers gathered at once
+        zero.update(offload_param={"device": "cpu", "pin_memory": True}, stage3_max_live_parameters=4 * 512 * 512,
+                    stage3_prefetch_bucket_size=2 * 512 * 512, stage3_max_reuse_distance=0)  # fmt: skip
+    settings = config(stage, **zero)
+    settings.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    settings["optimizer"]["params"]["lr"] = 1e-3
+    engine, *_ = infinity.initialize(model=deep_mlp(), config=settings)
+    gradient_bytes = 4 * sum(p.numel() for p in deep_mlp().parameters())  # at world size 1: the whole gradient
+    losses, peaks, reserved = [], [], []
+    for step, (x, y) in enumerate(deep_batches(3)):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before, cached = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        total = 0.0
+        for half in (slice(0, 4), slice(4, 8)):
+            loss = F.mse_loss(engine(x[half]), y[half].cuda())
+            engine.backward(loss)
+            if half.start == 0:
+                shards = engine.zero_optimizer.gradients_in_memory
+                assert shards.home == "host" and shards.held_bytes() >= gradient_bytes
+                assert all(t.is_pinned() for t in shards.tensors())
+            engine.step()
+            total += loss.item() / 2
+        losses.append(total)
+        if step > 0:  # the first step records the trace and allocates what every step reuses
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+            reserved.append(torch.cuda.max_memory_reserved() - cached)
+    assert max(peaks) < gradient_bytes / 2, f"device peak {max(peaks) / 2**20:.1f} MiB over a step"
+    assert max(reserved) < 3 * gradient_bytes / 4, f"reserved {max(reserved) / 2**20:.1f} MiB more over a step"
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+
+    model = deep_mlp().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    want = []
+    for x, y in deep_batches(3):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x.cuda()), y.cuda())
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    assert_close((losses, params), (want, {n: p.detach().cpu() for n, p in model.named_parameters()}))
+
+
+@pytest.mark.parametrize("how", ["remote_device", "config"])
+def test_zero_init_puts_pieces_in_host_memory_as_each_module_is_built(how):
+    """zero.Init with remote_device="cpu" (or offload_param cpu in its config) sends each piece to host memory as
+    its module is built ([Note: zero.Init]): the device holds one parameter at a time, never the model's 1/N share
+    (here the whole model, at world size 1); initialize() with offload_param cpu then trains it like plain PyTorch."""
+    settings = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    arguments = {"remote_device": "cpu"} if how == "remote_device" else {"config": settings}
+    width, layers = 1024, 32  # 4 MiB per layer, 128 MiB in all
+    layer_bytes = width * width * 4
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with infinity.zero.Init(**arguments):
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    held = torch.cuda.memory_allocated() - before
+    peak = torch.cuda.max_memory_allocated() - before
+    assert all(infinity.zero.init.init_shard(p).piece.device.type == "cpu" for p in model.parameters())
+    assert held < layer_bytes and peak <= 3 * layer_bytes, f"held {held / 2**20:.0f} MiB, peak {peak / 2**20:.0f}"
+    del model
+    with infinity.zero.Init(**arguments):
+        small = mlp()
+    zero = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    engine, *_ = infinity.initialize(model=small, config=config(3, **zero))
+    assert engine.stage3.table.shards.home.value == "host"
+    assert_close(engine_losses(engine), plain_cuda())
+    engine.destroy()
+
+
+def test_the_step_rewrites_a_host_piece_only_after_its_copy_to_the_device():
+    """[Note: host copies]: a unit's piece in pinned host memory is copied to the device without blocking when the
+    unit is gathered, and rewritten in place by the step. Here the copy is held back on its stream (a sleep
+    queued before it); the host's write of new weights must wait for it, or the gather would carry them."""
+    zero = {"offload_param": {"device": "cpu", "pin_memory": True}}
+    engine, *_ = infinity.initialize(model=mlp(), config=config(3, **zero))
+    shards = engine.stage3.table.shards
+    assert shards.flat.is_pinned()
+    index = engine.stage3.table.units[-1].index
+    old = shards.read(index).clone()
+    out = torch.empty_like(old, device="cuda")
+    with shards.copies.side():
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream before the copy starts
+        shards.load_into(index, out)
+    shards.edit(index).fill_(123.0)  # what the step does with a tile's new weights
+    shards.commit(index)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), old), "the copy read weights written after it was queued"
+    engine.destroy()
+
+
 NCCL_SCRIPT = textwrap.dedent(
     """
     import sys, torch, infinity, infinity.zero
@@ -228,3 +347,54 @@ def test_stage3_over_nccl(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok") == 2, done.stdout
+
+
+ORDER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, infinity
+    from torch.nn import functional as F
+    sys.path.insert(0, sys.argv[1])
+    from infinity.zero import collectives
+    from tests.distributed.test_collective_order import MICRO, Branchy, config
+    engine, *_ = infinity.initialize(model=Branchy(), config=config())
+    assert torch.distributed.get_backend() == "nccl" and engine.stage3.coordinator.one_order
+    rank, issued = engine.global_rank, []
+    gather, reduce = collectives.all_gather_pieces, collectives.reduce_scatter_mean
+
+    def logged_gather(comm, flat, piece, *, async_op):
+        issued.append(["all-gather", comm.name, flat.numel()])
+        return gather(comm, flat, piece, async_op=async_op)
+
+    def logged_reduce(comm, output, flat, *, async_op):
+        issued.append(["reduce-scatter", comm.name, flat.numel()])
+        return reduce(comm, output, flat, async_op=async_op)
+
+    collectives.all_gather_pieces, collectives.reduce_scatter_mean = logged_gather, logged_reduce
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(2 * MICRO, 8, generator=gen), torch.randn(2 * MICRO, 4, generator=gen)
+        part = slice(rank * MICRO, (rank + 1) * MICRO)
+        engine.backward(F.mse_loss(engine(x[part]), y[part].cuda()))
+        engine.step()
+    torch.cuda.synchronize()
+    print("issued", rank, json.dumps(issued), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_fetches_and_reductions_in_one_order_over_nccl(tmp_path):
+    """[Note: one collective order]: a rank-dependent branch (tests/distributed/test_collective_order.py) makes the
+    ranks' backwards differ; the fetch group's all-gathers and the data-parallel group's reduce-scatters must still
+    be issued in one order on every rank. CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream's kernels in one queue,
+    so two orders would deadlock (here: time out) rather than pass by luck."""
+    script = tmp_path / "order.py"
+    script.write_text(ORDER_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+               "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), root]  # fmt: skip
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    issued = dict(line.split(" ", 2)[1:] for line in done.stdout.splitlines() if line.startswith("issued "))
+    assert set(issued) == {"0", "1"} and issued["0"] == issued["1"], done.stdout[-3000:]

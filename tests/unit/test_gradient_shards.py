@@ -59,3 +59,33 @@ def test_no_gradient_memory_between_the_step_and_the_next_backward(stage):
         weights = {w.untyped_storage().data_ptr() for group in optimizer.weights for w in group}
         assert {m.untyped_storage().data_ptr() for m in optimizer.masters} <= weights
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+def test_with_the_optimizer_offloaded_the_gradient_is_in_host_memory(tmp_path, stage, device):
+    """[Note: gradient shards]: the optimizer steps in host memory (or from NVMe through it), so the reduced
+    gradient is held there, pinned where asked (on a GPU: streamed in as it is reduced, never whole on the device;
+    tests/gpu checks the device's peak). Stage 3 with the optimizer on NVMe keeps it on NVMe instead. The engine
+    asks for that home, and the estimate says the same (here as on a CUDA machine)."""
+    from infinity.config import parse_config
+    from infinity.memory.budget import Architecture, Owner, RunShape, Where, estimate
+
+    offload = {"device": device, "pin_memory": True, "nvme_path": str(tmp_path)} if device != "none" else {}
+    config = parse_config({"train_micro_batch_size_per_gpu": 1,
+                           "zero_optimization": {"stage": stage, "offload_optimizer": offload}})  # fmt: skip
+    owners = [Owner(path="layer", numels=(1 << 20,), trainable=(True,))]
+    shape = RunShape(world_size=2, micro_batch=1, seq_len=8, dtype_bytes=2, host_available=1 << 34)
+    rows = [r for r in estimate(owners, Architecture(), config, shape, cuda=True).rows if "reduced fp32" in r.what]
+    want = {"none": Where.DEVICE, "cpu": Where.HOST_PINNED, "nvme": Where.HOST_PINNED}[device]
+    if stage == 3 and device == "nvme":
+        want = Where.NVME  # [Note: swapped gradients] in grads.py
+    assert [r.where for r in rows] == [want]
+    if want is not Where.NVME:  # what the engine's optimizers make, for a CUDA compute device
+        from infinity.memory.tiers import Tier, TierManager
+        from infinity.zero.optimizer import Offload, _gradient_shards
+
+        home = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[device]
+        spec = None if device == "none" else Offload(TierManager(), home, 1 << 20, True, True)
+        shards = _gradient_shards((), torch.device("cuda"), spec)
+        assert shards.home == ("device" if want is Where.DEVICE else "host")

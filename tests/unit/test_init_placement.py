@@ -1,0 +1,37 @@
+"""zero.Init puts each piece in its home tier as the module is built ([Note: zero.Init]): NVMe, host memory or the
+compute device, from remote_device or else the config's offload_param, as DeepSpeed does. Here the host is the
+compute device, so what is checked is the choice; tests/gpu checks the device's peak while a model is built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import infinity.zero
+from infinity.zero.init import init_shard
+
+
+@pytest.mark.parametrize(
+    "config_device,remote_device,home",
+    [("none", None, "device"), ("cpu", None, "host"), ("nvme", None, "nvme"), (None, None, "device"),
+     (None, "cpu", "host"), ("none", "cpu", "host"), ("nvme", "cpu", "host"), ("cpu", "none", "device"),
+     ("cpu", "nvme", "nvme")],
+)  # fmt: skip
+def test_pieces_go_where_remote_device_or_offload_param_says(tmp_path, config_device, remote_device, home):
+    config = None
+    if config_device is not None:
+        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": config_device,
+                                                                      "nvme_path": str(tmp_path)}}}  # fmt: skip
+    init = infinity.zero.Init(config=config, remote_device=remote_device)
+    assert ("nvme" if init._nvme is not None else "host" if init._host else "device") == home
+    if home == "host":
+        torch.manual_seed(0)
+        plain = nn.Linear(8, 4)
+        torch.manual_seed(0)
+        with init:
+            layer = nn.Linear(8, 4)
+        shard = init_shard(layer.weight)
+        assert shard.piece.device.type == "cpu" and shard.local().device == shard.device  # gathered on the device
+        with infinity.zero.GatheredParameters([layer.weight, layer.bias]):
+            assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
