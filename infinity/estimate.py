@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from infinity.config import AutoValues, ConfigError, load_json, parse_config
+from infinity.config import AutoError, AutoValues, ConfigError, load_json, parse_config
 from infinity.memory.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
 from infinity.memory.plan import host_memory_bytes
 
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from infinity.train import models
-    from infinity.train.main import SECTIONS, _apply_dtype, _apply_micro_batch, _quiet_transformers
+    from infinity.train.main import SECTIONS, _apply_dtype, _apply_micro_batch, _quiet_transformers, unfilled_auto
 
     _quiet_transformers()
     for bad, message in ((args.world_size < 1, f"--world-size {args.world_size}: at least 1"),
@@ -209,6 +209,9 @@ def _main(argv: list[str] | None) -> int:
         result, facts = plan_estimate(shape, raw, args)
     except models.UnknownModelError as e:  # a config transformers cannot build as a causal LM
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except AutoError as e:
+        print(f"{PROG}: error: --config {args.config}: {unfilled_auto(e, PROG)}", file=sys.stderr)
         return 2
     except ConfigError as e:
         print(f"{PROG}: error: --config {args.config}: {e}", file=sys.stderr)

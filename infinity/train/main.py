@@ -161,9 +161,9 @@ AUTO_OPTIONS = {
 }
 
 
-def _unfilled_auto(error: AutoError) -> str:
-    """The config's unfilled "auto" values, all at once, as what to pass or set (initialize() is not the
-    caller's to call here)."""
+def unfilled_auto(error: AutoError, prog: str = PROG) -> str:
+    """The config's unfilled "auto" values, all at once, as what to pass or set to ``prog`` (a command shares
+    `infinity train`'s --dtype and --micro-batch; initialize() is not the caller's to call here)."""
     by_option: dict[str, list[str]] = {}
     in_config = []
     for item in error.unfilled:
@@ -174,7 +174,7 @@ def _unfilled_auto(error: AutoError) -> str:
     parts = [f"pass {option} for {' and '.join(keys)}" for option, keys in by_option.items()]
     if in_config:
         parts.append(f"set {', '.join(in_config)} in the config")
-    return f'"auto" values {PROG} cannot fill: ' + "; ".join(parts)
+    return f'"auto" values {prog} cannot fill: ' + "; ".join(parts)
 
 
 def _check_resume(path: str, steps: int) -> None:
@@ -249,7 +249,7 @@ def plan(args: argparse.Namespace) -> Plan:
     try:
         parsed = parse_config(config, world_size=world_size, auto=AutoValues(hidden_size=hidden))
     except AutoError as e:
-        raise UsageError(f"--config {args.config}: {_unfilled_auto(e)}") from None
+        raise UsageError(f"--config {args.config}: {unfilled_auto(e)}") from None
     except ConfigError as e:
         raise UsageError(f"--config {args.config}: {e}") from None
     if args.micro_batch is not None:

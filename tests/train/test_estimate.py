@@ -69,3 +69,14 @@ def test_a_config_that_is_not_a_causal_lm(tmp_path, capsys):
     assert estimate_cli.main(["--config", os.path.join(REPO, "configs", "zero2.json"), "--model", str(t5)]) == 2
     err = capsys.readouterr().err.strip()
     assert "model type 't5' is not a causal language model" in err and len(err) < 300, err
+
+
+def test_unfilled_auto_values_all_at_once_in_the_commands_terms(tmp_path, capsys):
+    config = tmp_path / "auto.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": "auto", "fp16": {"enabled": "auto"},'
+                      ' "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}')
+    assert estimate_cli.main(["--config", str(config), "--model", "gpt2-tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "initialize()" not in err, err
+    for said in ("infinity estimate cannot fill", "pass --dtype", "fp16.enabled", "gradient_clipping", "lr"):
+        assert said in err, err
