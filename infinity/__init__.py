@@ -38,7 +38,7 @@ _LAZY = {
     "parse_config": "infinity.config",
     "Engine": "infinity.engine",
     "InferenceEngine": "infinity.inference",
-    "initialize": "infinity.engine",
+    "initialize": "infinity.entry",
 }
 
 

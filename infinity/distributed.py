@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from infinity.comm import Comm
 from infinity.config import DEFAULT_TIMEOUT_S, collective_timeout_s
 from infinity.errors import CollectiveUsageError
-from infinity.zero.collectives import Comm
 
 logger = logging.getLogger("infinity")
 

@@ -14,20 +14,19 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from infinity.budget import Owner, stage3_units
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.budget import Owner, stage3_units
 from infinity.memory.host import return_freed_memory, trim_heap
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
@@ -43,13 +42,15 @@ from infinity.memory.plan import (
     swap_need,
 )
 from infinity.precision import LossScaler, compute_dtype
+from infinity.zero.bucket_optimizer import ZeroOptimizer
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
-from infinity.zero.optimizer import Offload, UnitOptimizer, ZeroOptimizer
+from infinity.zero.optimizer import Offload
 from infinity.zero.partition import plan as partition_plan
 from infinity.zero.shards import parameter_shards
 from infinity.zero.stage3 import Stage3, setup_stage3
 from infinity.zero.tiles import rule_for
+from infinity.zero.unit_optimizer import UnitOptimizer
 from infinity.zero.units import fill_units, parameter_owners
 
 logger = logging.getLogger("infinity")
@@ -460,7 +461,7 @@ class Engine(nn.Module):
             if planned is not None and movable != planned:
                 raise InfinityError(
                     f"internal: the plan counted {len(planned)} units, the engine laid out {len(movable)} (or of "
-                    "other sizes): memory/budget.py stage3_units no longer follows zero/units.py build_units"
+                    "other sizes): budget.py stage3_units no longer follows zero/units.py build_units"
                 )
             return make(layout, persistent)
 
@@ -767,46 +768,3 @@ def _numel(param: nn.Parameter) -> int:
     """Elements of the whole parameter: a zero.Init placeholder has none and carries its count in ds_numel."""
     numel = getattr(param, "ds_numel", None)
     return numel if numel is not None and param.numel() == 0 else param.numel()
-
-
-def initialize(
-    model: nn.Module | None = None,
-    config: str | os.PathLike | Mapping[str, Any] | None = None,
-    optimizer: torch.optim.Optimizer | Callable | None = None,
-    model_parameters: Iterable | None = None,
-    lr_scheduler=None,
-    training_data=None,
-    collate_fn=None,
-    config_params: Mapping[str, Any] | None = None,
-    args=None,
-    **unsupported,
-):
-    """DeepSpeed's initialize(): returns (engine, optimizer, training dataloader, lr scheduler). Collective:
-    every rank calls it, building the same model, in the same order as its other engines. Without an optimizer
-    (no optimizer= and no "optimizer" section) the engine is an InferenceEngine (ZeRO-Inference, inference.py)
-    and the optimizer and scheduler returned are None."""
-    if unsupported:
-        raise ConfigError(f"initialize() does not take {', '.join(sorted(unsupported))}; see its docstring")
-    if model is None:
-        raise ConfigError("initialize() needs model=")
-    if config is None:
-        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
-    if config is None:
-        raise ConfigError("initialize() needs config= (a dict or the path of a JSON file)")
-    config = load_json(config)
-    from infinity.inference import InferenceEngine, is_inference  # it builds on Engine
-
-    if is_inference(config, optimizer):
-        engine = InferenceEngine(model=model, config=config, lr_scheduler=lr_scheduler, training_data=training_data,
-                                 collate_fn=collate_fn)  # fmt: skip
-        return engine, None, engine.training_dataloader, None
-    engine = Engine(
-        model=model,
-        config=config,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        lr_scheduler=lr_scheduler,
-        training_data=training_data,
-        collate_fn=collate_fn,
-    )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

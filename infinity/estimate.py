@@ -1,6 +1,6 @@
 """`infinity estimate`: bytes per rank on each tier (device, host pinned, host other, NVMe) for a named model and
 a config, before anything runs, and the largest model of its family that this machine's RAM and free disk hold
-under that config. The arithmetic is infinity/memory/budget.py's; this module describes the model (built on
+under that config. The arithmetic is infinity/budget.py's; this module describes the model (built on
 the meta device: nothing is allocated), measures the runtime's own footprint, and prints."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 
+from infinity.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
 from infinity.config import AutoError, AutoValues, ConfigError, load_json, parse_config
-from infinity.memory.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
 from infinity.memory.plan import host_memory_bytes
 
 GIB = 1 << 30
@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     from infinity.train import models
-    from infinity.train.main import SECTIONS, _apply_dtype, _apply_micro_batch, _quiet_transformers, unfilled_auto
+    from infinity.train.options import SECTIONS, apply_dtype, apply_micro_batch, quiet_transformers, unfilled_auto
 
-    _quiet_transformers()
+    quiet_transformers()
     for bad, message in ((args.world_size < 1, f"--world-size {args.world_size}: at least 1"),
                          (args.seq_len < 2, f"--seq-len {args.seq_len}: at least 2")):  # fmt: skip
         if bad:
@@ -203,8 +203,8 @@ def _main(argv: list[str] | None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     notes: list[str] = []
-    _apply_micro_batch(raw, args.micro_batch)
-    _apply_dtype(raw, args.dtype, notes)
+    apply_micro_batch(raw, args.micro_batch)
+    apply_dtype(raw, args.dtype, notes)
     try:
         result, facts = plan_estimate(shape, raw, args)
     except models.UnknownModelError as e:  # a config transformers cannot build as a causal LM

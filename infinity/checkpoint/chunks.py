@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_values, chunk_path
+from infinity.comm import Comm
 from infinity.errors import CheckpointError
-from infinity.zero.collectives import Comm
 
 
 def announced(error: BaseException) -> BaseException:

@@ -23,9 +23,11 @@ from torch import nn
 from infinity.checkpoint.chunks import ArraySpec
 from infinity.checkpoint.zarr_store import ArrayMeta
 from infinity.errors import CheckpointError
-from infinity.zero.optimizer import PartitionedOptimizer, UnitOptimizer, ZeroOptimizer
+from infinity.zero.bucket_optimizer import ZeroOptimizer
+from infinity.zero.optimizer import PartitionedOptimizer
 from infinity.zero.partition import Bucket, overlap
 from infinity.zero.tiles import Tile
+from infinity.zero.unit_optimizer import UnitOptimizer
 
 PARAMS = "params/"
 BUFFERS = "buffers/"

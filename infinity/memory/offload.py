@@ -20,7 +20,7 @@ from infinity.memory.plan import Plan
 from infinity.memory.tiers import Tier, TierManager
 
 if TYPE_CHECKING:
-    from infinity.zero.collectives import Comm
+    from infinity.comm import Comm
 
 logger = logging.getLogger("infinity")
 

@@ -1,6 +1,6 @@
 """One plan of a run's sizes, computed once at initialize() from the config, the layout's sizes and the node, and
 read by everything that sizes a buffer or places a piece: the engine, the tier managers' owners (zero/shards.py,
-the optimizer's tiles) and `infinity estimate` (memory/budget.py). Nothing else decides these numbers.
+the optimizer's tiles) and `infinity estimate` (budget.py). Nothing else decides these numbers.
 
 [Note: one plan]
 A size two ranks decide each on their own is a size they may disagree on. At stages 1-2 the optimizer's tiles
@@ -46,7 +46,7 @@ from infinity.errors import CollectiveError, ConfigError, TierBudgetError
 from infinity.memory.nvme_store import _human
 
 if TYPE_CHECKING:
-    from infinity.zero.collectives import Comm
+    from infinity.comm import Comm
 
 STAGING_BUDGET_BYTES = 256 << 20  # the most one staging ring (or the outsized pieces' cache) holds per rank
 MIN_TILE_NUMEL = 1 << 20  # a smaller tile is too small a request to keep the disk busy

@@ -18,10 +18,10 @@ from infinity.config import AutoError, AutoValues, load_json, parse_config
 from infinity.errors import CheckpointError, ConfigError, InfinityError, TierBudgetError
 from infinity.train import models, resume
 from infinity.train.data import DataError, token_source
+from infinity.train.options import PROG, SECTIONS, apply_dtype, apply_micro_batch, quiet_transformers, unfilled_auto
 from infinity.train.plan import Plan
 
 EXIT_USAGE = 2
-PROG = "infinity train"
 
 
 class UsageError(ValueError):
@@ -57,34 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="model initialization and data")
     parser.add_argument("--summary-json", default=None, help="also write the summary (every step's loss) as JSON")
     return parser  # fmt: skip
-
-
-def _bf16_units() -> bool:
-    """Whether this CPU computes bf16 natively; without, its bf16 matmuls are several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", " bf16"))
-
-
-def _apply_dtype(config: dict, dtype: str, notes: list[str]) -> None:
-    def enabled(section: str) -> bool:
-        return bool(isinstance(config.get(section), dict) and config[section].get("enabled") is True)
-
-    if dtype == "auto":
-        import torch
-
-        if enabled("bf16") and not torch.cuda.is_available() and not _bf16_units():
-            dtype = "fp32"
-            notes.append(
-                "bf16 -> fp32: this CPU has no bf16 units (its bf16 matmuls are slower); --dtype bf16 keeps it"
-            )
-        else:
-            return
-    for section in ("fp16", "bf16"):
-        config[section] = {**(config.get(section) or {}), "enabled": section == dtype}
 
 
 def _check_folder(path: str, option: str, *, create: bool = True) -> str:
@@ -124,7 +96,7 @@ def _apply_nvme_path(config: dict, nvme_path: str | None, notes: list[str]) -> l
     return sorted(set(paths))
 
 
-SECTIONS = ("zero_optimization", "fp16", "bf16", "optimizer", "scheduler", "aio")
+
 
 
 def _model(args: argparse.Namespace):
@@ -141,40 +113,6 @@ def _model(args: argparse.Namespace):
     except ValueError as e:
         raise UsageError(f"--model {args.model!r}: transformers cannot build it as a causal LM: {e}") from None
     return shape, hf_config, numel
-
-
-def _apply_micro_batch(config: dict, micro_batch: int | None) -> None:
-    """--micro-batch keeps the config's global batch when it has one (the accumulation follows), as a
-    DeepSpeed user expects; without one the accumulation stays as configured."""
-    if micro_batch is None:
-        return
-    config["train_micro_batch_size_per_gpu"] = micro_batch
-    if config.get("train_batch_size") not in (None, "auto") and "gradient_accumulation_steps" in config:
-        del config["gradient_accumulation_steps"]  # train_batch_size / (micro x world size), checked by the parse
-
-
-# "auto" keys a command-line option sets; the others are set in the config.
-AUTO_OPTIONS = {
-    "fp16.enabled": "--dtype (fp32, bf16 or fp16)",
-    "bf16.enabled": "--dtype (fp32, bf16 or fp16)",
-    "train_micro_batch_size_per_gpu": "--micro-batch N",
-}
-
-
-def unfilled_auto(error: AutoError, prog: str = PROG) -> str:
-    """The config's unfilled "auto" values, all at once, as what to pass or set to ``prog`` (a command shares
-    `infinity train`'s --dtype and --micro-batch; initialize() is not the caller's to call here)."""
-    by_option: dict[str, list[str]] = {}
-    in_config = []
-    for item in error.unfilled:
-        if item.key in AUTO_OPTIONS:
-            by_option.setdefault(AUTO_OPTIONS[item.key], []).append(item.key)
-        else:
-            in_config.append(item.key + (f" ({item.note})" if item.note else ""))
-    parts = [f"pass {option} for {' and '.join(keys)}" for option, keys in by_option.items()]
-    if in_config:
-        parts.append(f"set {', '.join(in_config)} in the config")
-    return f'"auto" values {prog} cannot fill: ' + "; ".join(parts)
 
 
 def _check_resume(path: str, steps: int) -> None:
@@ -242,8 +180,8 @@ def plan(args: argparse.Namespace) -> Plan:
             raise UsageError(f"--config {args.config}: {key} must be a JSON object, got {config[key]!r}")
     notes: list[str] = []
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _apply_micro_batch(config, args.micro_batch)
-    _apply_dtype(config, args.dtype, notes)
+    apply_micro_batch(config, args.micro_batch)
+    apply_dtype(config, args.dtype, notes)
     nvme_paths = _apply_nvme_path(config, args.nvme_path, notes)
     hidden = getattr(hf_config, "hidden_size", None) or getattr(hf_config, "n_embd", None)
     try:
@@ -273,14 +211,6 @@ def plan(args: argparse.Namespace) -> Plan:
                 notes=notes, nvme_paths=nvme_paths, vocab_size=vocab_size, numel=numel)  # fmt: skip
 
 
-def _quiet_transformers() -> None:
-    """transformers' warnings about configs built here (unused keys, defaults) say nothing a user can act on."""
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.set_verbosity_error()
-
-
 class _Stop(KeyboardInterrupt):
     """SIGTERM, raised where the run is, so it ends as Ctrl-C does (exit code 128 + the signal)."""
 
@@ -308,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     run = None
     rank = int(os.environ.get("RANK", "0"))
     try:
-        _quiet_transformers()
+        quiet_transformers()
         the_plan = plan(args)
         from infinity.train.loop import Run
 

@@ -9,32 +9,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from infinity.comm import Comm
 from infinity.errors import CollectiveError
 from infinity.zero.partition import Bucket
 
 # torch 2.13 names the flat-tensor collectives *_single (the *_tensor names warn); older releases lack them.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-@dataclass(frozen=True, slots=True)
-class Comm:
-    """Who we talk to: the group, this rank's place in it, and its size; ``name`` and ``timeout_s`` for errors."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world_size: int
-    name: str = "data-parallel"
-    timeout_s: float | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.group is not None and self.world_size > 1
 
 
 @contextlib.contextmanager

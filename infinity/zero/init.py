@@ -49,12 +49,12 @@ from torch.utils import _pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio.handle import AioSettings
+from infinity.comm import Comm
 from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
 from infinity.memory.host import return_freed_memory
 from infinity.memory.plan import check_init_piece
 from infinity.zero import collectives
-from infinity.zero.collectives import Comm
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.units import stage3_runtime
 

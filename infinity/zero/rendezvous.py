@@ -49,8 +49,8 @@ from typing import NamedTuple
 
 import torch
 
+from infinity.comm import Comm
 from infinity.zero import collectives
-from infinity.zero.collectives import Comm
 from infinity.zero.units import UnitTable, gather_piece
 
 _ASKING = 0  # header status of a rank in its pass

@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 
 from infinity.aio.handle import AioSettings
+from infinity.comm import Comm
 from infinity.config import ZeroConfig
 from infinity.memory.copies import CopyStream
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import parameter_tier
 from infinity.memory.plan import STAGING_BUDGET_BYTES, Plan, host_kept, place_parameters
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
-from infinity.zero.collectives import Comm
 from infinity.zero.partition import GroupLayout
 
 __all__ = ["UnitShards", "host_kept", "parameter_shards"]

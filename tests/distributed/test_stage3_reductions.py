@@ -14,8 +14,8 @@ from torch.nn import functional as F
 
 import infinity
 import infinity.zero
+from infinity.budget import Architecture, Owner, RunShape, Where, estimate
 from infinity.config import parse_config
-from infinity.memory.budget import Architecture, Owner, RunShape, Where, estimate
 from tests.distributed.harness import run_distributed
 
 RTOL = 1e-5

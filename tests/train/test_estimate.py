@@ -8,7 +8,7 @@ import re
 import pytest
 
 from infinity import estimate as estimate_cli
-from infinity.memory.budget import Where
+from infinity.budget import Where
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -102,14 +102,14 @@ def _estimate_within_15_percent(measured: dict, *, world_size: int = 1, host_mem
     node has (INFINITY_HOST_MEMORY_BYTES), which the plan divides among its ranks, as the estimate must."""
     import argparse
 
+    from infinity.budget import Where
     from infinity.estimate import plan_estimate
-    from infinity.memory.budget import Where
     from infinity.train import models
-    from infinity.train.main import _apply_dtype
+    from infinity.train.options import apply_dtype
 
     raw = json.loads(Path(NVME_CONFIG).read_text())
     raw["train_micro_batch_size_per_gpu"] = 2
-    _apply_dtype(raw, "auto", [])
+    apply_dtype(raw, "auto", [])
     shape = models.CATALOG["gpt2-tiny"]
     args = argparse.Namespace(world_size=world_size, seq_len=32)
     result, _ = plan_estimate(shape, raw, args, available=host_memory)

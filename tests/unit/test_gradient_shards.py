@@ -68,8 +68,8 @@ def test_with_the_optimizer_offloaded_the_gradient_is_in_host_memory(tmp_path, s
     gradient is held there, pinned where asked (on a GPU: streamed in as it is reduced, never whole on the device;
     tests/gpu checks the device's peak). Stage 3 with the optimizer on NVMe keeps it on NVMe instead. The engine
     asks for that home, and the estimate says the same (here as on a CUDA machine)."""
+    from infinity.budget import Architecture, Owner, RunShape, Where, estimate
     from infinity.config import parse_config
-    from infinity.memory.budget import Architecture, Owner, RunShape, Where, estimate
 
     offload = {"device": device, "pin_memory": True, "nvme_path": str(tmp_path)} if device != "none" else {}
     config = parse_config({"train_micro_batch_size_per_gpu": 1,
@@ -83,9 +83,9 @@ def test_with_the_optimizer_offloaded_the_gradient_is_in_host_memory(tmp_path, s
     assert [r.where for r in rows] == [want]
     if want is not Where.NVME:  # what the engine's optimizers make, for a CUDA compute device
         from infinity.memory.tiers import Tier, TierManager
-        from infinity.zero.optimizer import Offload, _gradient_shards
+        from infinity.zero.optimizer import Offload, gradient_shards_for
 
         home = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.NVME}[device]
         spec = None if device == "none" else Offload(TierManager(), home, 1 << 20, True, True)
-        shards = _gradient_shards((), torch.device("cuda"), spec)
+        shards = gradient_shards_for((), torch.device("cuda"), spec)
         assert shards.home == ("device" if want is Where.DEVICE else "host")

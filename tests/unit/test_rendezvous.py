@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from infinity.comm import Comm
 from infinity.zero import collectives
-from infinity.zero.collectives import Comm
 from infinity.zero.rendezvous import FetchRendezvous
 
 ASKING, DONE = 0, -2

@@ -3,7 +3,7 @@ rendezvous], [Note: launch order] in zero/reducer.py): both keep answering the p
 
 from __future__ import annotations
 
-from infinity.zero.collectives import Comm
+from infinity.comm import Comm
 from infinity.zero.rendezvous import FetchRendezvous
 from tests.unit.test_rendezvous import ASKING, DONE, header, scripted_peer
 

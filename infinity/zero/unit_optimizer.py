@@ -1,0 +1,228 @@
+"""ZeRO stage 3 on the shared partitioned step (optimizer.py): the rank's shard is its pieces of every unit, the
+masters and states tiles of those pieces, the new weights written straight into the pieces."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from infinity.comm import Comm
+from infinity.errors import ConfigError
+from infinity.memory.tiers import Tier, TierManager
+from infinity.zero.grads import SwappedGradients, piece_squares
+from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
+from infinity.zero.partition import overlap
+from infinity.zero.reducer import GradientReducer
+from infinity.zero.tiles import Tile
+from infinity.zero.units import Unit, UnitTable
+
+
+class UnitOptimizer(PartitionedOptimizer):
+    """Stage 3: the rank's shard is the concatenation of its pieces of every unit ([Note: units] in units.py).
+
+    Units follow modules, optimizer param groups follow the user: a unit can hold parameters of several groups
+    (a Linear's weight with decay, its bias without). The masters and states are tiles ([Note: tiles] in
+    tiles.py): runs of one group's elements inside one unit piece, so a tile's gradient is a view of the reduced
+    gradient shard and its new weights go straight into the unit's piece. Without offload the tiles live in
+    device memory; offloaded, in host memory or on NVMe: the same tiles step either way."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        comm: Comm,
+        table: UnitTable,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        overlap_comm: bool,
+        offload: Offload | None,
+        sub_group_size: int,
+        on_param_grad: Callable[[int], None],
+    ) -> None:
+        """``on_param_grad(unit)``: a parameter of the unit has its gradient, or gets none this backward (the
+        coordinator releases units on it). Trainable parameters outside the optimizer behave as frozen."""
+        self.optimizer = optimizer
+        self.comm = comm
+        self.stage = 3
+        self.device = device
+        self.table = table
+        self.compute_dtype = compute_dtype
+        groups = [list(g["params"]) for g in optimizer.param_groups]
+        self.groups: list[list[nn.Parameter]] = groups  # the user's param groups (their lists hold tiles now)
+        expected = [0] * len(table.units)
+        owner: dict[int, int] = {}
+        for g, params in enumerate(groups):
+            for param in params:
+                found = table.unit_of(param)
+                if found is None:
+                    raise ConfigError("an optimizer parameter is not a parameter of the model; pass model.parameters()")
+                if owner.setdefault(id(param), g) != g:
+                    raise ConfigError(f"a parameter appears in optimizer param groups {owner[id(param)]} and {g}")
+                expected[found[0].index] += 1
+        # Tiles follow the shard itself (no gather of the masters; gradients and weights are views), in device
+        # memory without offload: offloaded or not, the same tiles step, so the results are the same.
+        masters = None
+        if offload is None:
+            manager = TierManager(device=device)
+            offload = Offload(manager, Tier.DEVICE, sub_group_size, pipeline_read=True, pipeline_write=True)
+            if compute_dtype == torch.float32 and table.shards.home is Tier.DEVICE:
+                masters = self._tile_weight  # the fp32 shard is the master ([Note: tiles] in tiles.py)
+        self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, masters)
+        self.gradients: SwappedGradients | None = None
+        self._grad_factors: list[float] = []
+        if offload.gradients is not None:
+            offsets = {unit.index: unit.bucket.shard_offset for unit in table.units}
+            self.gradients = SwappedGradients(self.tiled.tiles, offload.gradients, unit_offsets=offsets)
+            self.tiled.gradients = self.gradients
+            self.gradients_in_memory = None  # [Note: swapped gradients]
+        else:
+            self.gradients_in_memory = gradient_shards_for([table.layout], device, offload)
+        self._tiles_of_unit: dict[int, list[Tile]] = {}
+        for tile in self.tiled.tiles:
+            self._tiles_of_unit.setdefault(tile.piece, []).append(tile)
+        # Units whose tiles cover every element of the rank's piece that holds a parameter: the step writes the
+        # whole piece, so an offloaded one is not read back first.
+        self._tiles_cover = {
+            unit for unit, tiles in self._tiles_of_unit.items()
+            if sum(t.numel for t in tiles) == table.shards.held_numel(unit)
+        }  # fmt: skip
+        self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
+        self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
+        self.masters = []
+        self.reducer = GradientReducer(
+            comm=comm, stage=3, layouts=(table.layout,), gradients=self.gradients_in_memory, shard_rank=comm.rank,
+            device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
+            deliver=None if self.gradients is None else self.gradients.deliver,
+        )  # fmt: skip
+        self._hooks = []
+        self._no_grad_marks = {}
+        self.grad_params_per_unit = [0] * len(table.units)
+        for params in groups:
+            for param in params:
+                unit, position = table.unit_of(param)
+                hook = self._make_hook(unit.index, unit.bucket.slots[position].offset, on_param_grad)
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                self._no_grad_marks[id(param)] = functools.partial(self._no_grad, unit.index, on_param_grad)
+                self.grad_params_per_unit[unit.index] += 1
+        for unit in table.units:
+            orphans = [p for p in unit.params if p.requires_grad and id(p) not in owner]
+            self._track_frozen(orphans, functools.partial(on_param_grad, unit.index))
+            self.grad_params_per_unit[unit.index] += len(orphans)
+
+    def initialize_piece(self, unit: Unit, piece: torch.Tensor) -> None:
+        """The unit's piece arrived (``fill_units``, fp32): its tiles' masters start from it."""
+        for tile in self._tiles_of_unit.get(unit.index, ()):
+            first = tile.start - unit.bucket.shard_offset
+            self.tiled.initialize(tile, piece[first : first + tile.numel])
+
+    def _make_hook(self, unit_index: int, offset: int, on_param_grad: Callable[[int], None]):
+        reducer = self.reducer
+
+        def hook(param: torch.Tensor) -> None:
+            reducer.on_grad(unit_index, offset, param.grad)
+            param.grad = None
+            on_param_grad(unit_index)
+
+        return hook
+
+    def _no_grad(self, unit_index: int, on_param_grad: Callable[[int], None]) -> None:
+        self.reducer.on_no_grad(unit_index)
+        on_param_grad(unit_index)
+
+    def _tile_grad(self, tile: Tile) -> torch.Tensor:
+        return self.grad_shards[0][tile.start : tile.start + tile.numel]
+
+    def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
+        if self.gradients is not None:
+            self.gradients.begin_backward(boundary=boundary, loss_scale=loss_scale)
+        super().begin_backward(loss, boundary=boundary, loss_scale=loss_scale)
+
+    def _scale_grads(self, factor: float) -> None:
+        if self.gradients is not None:
+            self._grad_factors.append(factor)  # applied per tile as it steps
+        else:
+            super()._scale_grads(factor)
+
+    def _local_overflow(self) -> bool:
+        return self.gradients.nonfinite if self.gradients is not None else super()._local_overflow()
+
+    def _local_squares(self) -> torch.Tensor:
+        """Per unit piece holding tiles, summed in unit order, wherever the gradient lives ([Note: swapped
+        gradients] in grads.py)."""
+        total = 0.0
+        for unit in sorted(self._tiles_of_unit):
+            if self.gradients is not None:
+                total += self.gradients.squares.get(unit, 0.0)
+            else:
+                bucket = self.table.layout.buckets[unit]
+                flat = self.grad_shards[0]
+                total += piece_squares(flat[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
+        return torch.tensor([total], dtype=torch.float64, device=self.device)
+
+    def _tile_weight(self, tile: Tile) -> torch.Tensor:
+        """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed)."""
+        first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
+        piece = self.table.shards.edit(tile.piece, overwrite=tile.piece in self._tiles_cover)
+        return piece[first : first + tile.numel]
+
+    def _step_tiles(self) -> None:
+        last = self._last_tile
+
+        def on_tile(tile: Tile) -> None:
+            if tile.index == last[tile.piece]:
+                self.table.shards.commit(tile.piece)  # offloaded shards go back, behind the next tiles
+
+        self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
+        self._regather_persistent()
+
+    def fp32_shards(self) -> list[torch.Tensor]:
+        flat = self.table.shards.snapshot().float()
+        self.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
+        return [flat]
+
+    def _regather_persistent(self) -> None:
+        for unit in self.table.units:
+            if unit.persistent:
+                unit.gather(self.comm, self.table.shards, async_op=False)
+
+    def load_unit_piece(self, unit: Unit) -> None:
+        """The unit's shard was edited (GatheredParameters with modifier_rank): masters follow."""
+        piece = self.table.shards.read(unit.index)
+        start = unit.bucket.shard_offset
+
+        def edited(tile: Tile) -> torch.Tensor:
+            first = tile.start - start
+            return piece[first : first + tile.numel].float()
+
+        self.tiled.load_masters([t for t in self.tiled.tiles if t.piece == unit.index], edited)
+
+    def zero_grad(self) -> None:
+        self._grad_factors.clear()
+        if self.gradients is not None:
+            self.tiled.drop_gradients_ahead()
+            self.gradients.zero()
+        super().zero_grad()
+
+
+def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:
+    """(group, unit, start, numel) runs of the rank's flat shard: consecutive elements of optimized parameters
+    of one group inside one unit piece (padding and parameters outside the optimizer are in none)."""
+    runs: list[list[int]] = []
+    for unit in table.units:
+        start, end = unit.bucket.piece_range(rank)
+        for slot, param in zip(unit.bucket.slots, unit.params, strict=True):
+            group = group_of.get(id(param))
+            part = overlap(slot, start, end)
+            if group is None or part is None:
+                continue
+            first = unit.bucket.shard_offset + part[0] - start
+            numel = part[1] - part[0]
+            last = runs[-1] if runs else None
+            if last is not None and last[0] == group and last[1] == unit.index and last[2] + last[3] == first:
+                last[3] += numel
+            else:
+                runs.append([group, unit.index, first, numel])
+    return [tuple(run) for run in runs]
