@@ -24,7 +24,6 @@ from infinity.checkpoint.save import ENGINE_STATE, agree, check_tag, rng_path
 from infinity.checkpoint.state_map import BUFFERS, PARAMS, Block, Region, StateMap, overlaps, state_key
 from infinity.checkpoint.zarr_store import ArrayMeta, check_chunk_file, chunk_spans, read_array_meta
 from infinity.errors import CheckpointError
-from infinity.memory.tiers import Tier
 
 logger = logging.getLogger("infinity")
 
@@ -246,7 +245,7 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
                 first = fragment.offset - region.start
                 reader.read_into(keys[PARAMS + fragment.name], fragment.param_start,
                                  piece[first : first + fragment.numel])  # fmt: skip
-            if shards.home is Tier.NVME:
+            if not shards.edited_in_place():
                 reader.drain()  # the piece is a ring buffer (or written out) once committed
             shards.commit(region.piece)
         # with the states, every element of a tile is loaded (master and states): nothing to read from its tier

@@ -234,6 +234,12 @@ class UnitShards:
         start, end = bucket.piece_range(self.rank)
         return max(0, min(end, bucket.numel) - start)
 
+    def edited_in_place(self) -> bool:
+        """Whether every piece ``edit`` gives is the shard's own memory, untouched by ``commit``; if not (the NVMe
+        home: a ring buffer, or memory written out behind), writes into an edited piece must land before its
+        commit."""
+        return self.flat is not None
+
     def commit(self, index: int) -> None:
         outsized = self._editing_outsized.get(index)
         if outsized is not None:  # written behind the next tiles; kept for the next gather, within the budget
