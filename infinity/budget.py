@@ -96,6 +96,11 @@ class Estimate:
     checkpoint_bytes: int = 0  # one checkpoint tag: fp32 masters and optimizer states, other parameters as they are
 
     @property
+    def checkpoint_io_bytes(self) -> int:
+        """What a save or load adds to host memory while it runs: its transfers in flight, the plan's bound."""
+        return min(self.plan.checkpoint_io_bytes, self.checkpoint_bytes)
+
+    @property
     def nvme_during_init(self) -> int:
         return self.swap.init
 

@@ -238,6 +238,8 @@ def _main(argv: list[str] | None) -> int:
     fixed = (f"{runtime / GIB:.3f} GiB runtime (python, torch, transformers, the engine: measured)" if measured
              else "the runtime (could not be measured)")  # fmt: skip
     lines.append(f"  host RSS      {_gib(host + runtime)}  = {host / GIB:.3f} GiB for the run{device} + {fixed}")
+    lines.append(f"  checkpoints   {_gib(result.checkpoint_io_bytes)}  more host memory while one is saved or loaded "
+                 "(its transfers in flight)")
     ram = host_memory_bytes()
     folder = _existing(_nvme_folder(raw, args.nvme_path))
     disk = shutil.disk_usage(folder).free if folder else None

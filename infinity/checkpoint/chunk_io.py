@@ -5,7 +5,8 @@ files go through an AioHandle with the run's ``aio`` settings (O_DIRECT bodies, 
 unaligned memory staged through aligned buffers): the data goes straight to the disk, not through the page cache
 (which a save would have to flush anyway before it is durable). Requests are issued as pieces arrive and waited
 for in ``drain()``, which the caller runs before the memory they read or fill changes hands (a tile's segment is
-given back, a unit's piece is dropped). At most ``max_in_flight_bytes`` are queued; an I/O error becomes a
+given back, a unit's piece is dropped). At most ``max_in_flight_bytes`` are queued (the plan's
+checkpoint_io_bytes: [Note: one plan] in memory/plan.py); an I/O error becomes a
 CheckpointError naming the file.
 """
 
@@ -22,7 +23,7 @@ from infinity.errors import AioError, CheckpointError
 
 
 class ChunkIO:
-    def __init__(self, settings: AioSettings | None = None, *, max_in_flight_bytes: int = 512 << 20) -> None:
+    def __init__(self, settings: AioSettings | None = None, *, max_in_flight_bytes: int) -> None:
         self.handle = AioHandle.from_settings(settings or AioSettings())
         self.max_in_flight_bytes = max_in_flight_bytes
         self._pending: deque = deque()  # (request, tensor kept alive, then: callable | None)

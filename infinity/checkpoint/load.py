@@ -137,7 +137,7 @@ def _load(engine, folder: str, manifest: Manifest, comm, *, load_optimizer_state
     io = None
     error = None
     try:  # every check first, on every rank: nothing has changed when one fails
-        io = ChunkIO(engine.config.aio)
+        io = ChunkIO(engine.config.aio, max_in_flight_bytes=engine.plan.checkpoint_io_bytes)
         reader = ArrayReader(folder, manifest, io)
         state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                              rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip

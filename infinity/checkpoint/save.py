@@ -116,7 +116,7 @@ def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, client
     agree_ok(comm, error, "save_checkpoint")
     writer = None
     try:
-        io = ChunkIO(engine.config.aio)
+        io = ChunkIO(engine.config.aio, max_in_flight_bytes=engine.plan.checkpoint_io_bytes)
         try:
             writer = ChunkWriter(tmp, state_map.specs, comm, io, written=mine)
             _write_arrays(engine, state_map, writer)

@@ -17,10 +17,11 @@ A rank's host share is the smallest, over the ranks, of its host's available mem
 host: the minimum makes every rank agree, the division makes the ranks of a node share it. Of the share, a quarter
 holds the parameter pieces max_in_cpu keeps in host memory, and at most a sixteenth (and STAGING_BUDGET_BYTES)
 each of the NVMe staging rings (the parameters', the optimizer's with its gradients') and of the outsized pieces
-kept from the step to the next forward: under half of the share in all, the rest is left to activations, gathered
-units, gradient buckets and the runtime. On a node with 4 GiB or more per rank the rings keep their full budget;
-on a very small share the optimizer's ring still holds tiles of MIN_TILE_NUMEL elements. At stages 1-2 a tile's
-new weights travel in gathers of at most allgather_bucket_size elements (all ranks' parts together).
+kept from the step to the next forward, and of a checkpoint's transfers in flight (save_checkpoint and
+load_checkpoint only, at most CHECKPOINT_IO_BYTES): half of the share in all, the rest is left to activations,
+gathered units, gradient buckets and the runtime. On a node with 4 GiB or more per rank the rings keep their
+full budget; on a very small share the optimizer's ring still holds tiles of MIN_TILE_NUMEL elements. At stages
+1-2 a tile's new weights travel in gathers of at most allgather_bucket_size elements (all ranks' parts together).
 
 NVMe: the plan adds up every swap file's segments (each 4 KiB-aligned, as the store lays them out) for each
 rank, and ``check_room`` sets the ranks of each host against the free space of each filesystem before any
@@ -53,7 +54,8 @@ MIN_TILE_NUMEL = 1 << 20  # a smaller tile is too small a request to keep the di
 TILE_MULTIPLE = 64  # tiles are cut at multiples of 64 elements (zero/tiles.py, cut: SIMD lanes)
 NVME_ALIGN = 4096  # each segment of a swap file starts on a 4 KiB boundary (nvme_store.py)
 HOST_CACHE_PART = 4  # max_in_cpu's pieces: a quarter of the rank's host share
-STAGING_PART = 16  # each staging ring and the outsized pieces' cache: a sixteenth of it
+STAGING_PART = 16  # each staging ring, the outsized pieces' cache and a checkpoint's I/O: a sixteenth of it
+CHECKPOINT_IO_BYTES = 512 << 20  # the most a save or load has queued to the disk per rank
 INIT_DISK_RESERVE = 0.10  # zero.Init, which cannot know the model's size, never leaves less free than this
 HOST_MEMORY_ENV = "INFINITY_HOST_MEMORY_BYTES"  # plan with at most this much of the node's memory
 
@@ -177,6 +179,7 @@ class Plan:
     gather_numel: int  # stages 1-2: elements per rank in one all-gather of new weights (allgather_bucket_size)
     optimizer_buffers: int  # the optimizer's NVMe ring (and its gradients')
     param_buffers: int  # the parameters' NVMe ring
+    checkpoint_io_bytes: int  # a save's or load's transfers in flight, at most (checkpoint/chunk_io.py)
 
     def host_cache_numel(self, zero: ZeroConfig, itemsize: int) -> int:
         """Elements of parameter pieces kept in host memory in front of NVMe: max_in_cpu, within the share."""
@@ -198,6 +201,7 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
         host_cache_bytes=host_share // HOST_CACHE_PART, staging_bytes=staging, tile_numel=tile,
         gather_numel=max(zero.allgather_bucket_size // world_size, 1), optimizer_buffers=optimizer_buffers,
         param_buffers=max(zero.offload_param.buffer_count, 1),
+        checkpoint_io_bytes=min(CHECKPOINT_IO_BYTES, host_share // STAGING_PART),
     )  # fmt: skip
 
 

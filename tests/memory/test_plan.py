@@ -119,6 +119,44 @@ def test_the_node_is_shared_by_its_ranks_and_every_rank_decides_alike():
     plan = memory_plan.make_plan(ZeroConfig(), world_size=4, local_ranks=node.local_ranks,
                                  host_share=node.host_share, state_width=3)  # fmt: skip
     assert plan.host_cache_bytes == 4 * MiB and plan.staging_bytes == 1 * MiB and plan.tile_numel % 64 == 0
+    assert plan.checkpoint_io_bytes == 1 * MiB  # a save's transfers in flight share the node too
+    roomy = memory_plan.make_plan(ZeroConfig(), world_size=1, local_ranks=1, host_share=1 << 40, state_width=3)
+    assert roomy.checkpoint_io_bytes == memory_plan.CHECKPOINT_IO_BYTES
+
+
+def test_a_save_and_a_load_queue_no_more_than_the_plan_allows(tmp_path, monkeypatch, one_thread):
+    """The checkpoint's transfers in flight are the plan's, from the rank's host share (a sixteenth of
+    INFINITY_HOST_MEMORY_BYTES here: 4 MiB), not a fixed size per rank: the most ever queued stays within it
+    (plus the one request that crossed it) while the checkpoint holds several times as much."""
+    import torch
+
+    from infinity.checkpoint import chunk_io
+
+    monkeypatch.setenv(memory_plan.HOST_MEMORY_ENV, str(64 * MiB))
+    queued = []
+    original = chunk_io.ChunkIO._queue
+
+    def recording(self, request, tensor, then):
+        original(self, request, tensor, then)
+        queued.append((self._bytes, self.max_in_flight_bytes, tensor.numel() * tensor.element_size()))
+
+    monkeypatch.setattr(chunk_io.ChunkIO, "_queue", recording)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # 8 MiB of fp32 weights, 24 MiB with Adam's
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}}  # fmt: skip
+    engine, *_ = infinity.initialize(model=model, config=config, model_parameters=model.parameters())
+    try:
+        engine.backward(engine(torch.randn(2, 512)).pow(2).mean())
+        engine.step()
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    finally:
+        engine.destroy()
+    assert engine.plan.checkpoint_io_bytes == 4 * MiB
+    assert sum(nbytes for *_, nbytes in queued) > 4 * engine.plan.checkpoint_io_bytes, "too small to prove it"
+    assert {bound for _, bound, _ in queued} == {4 * MiB}
+    largest = max(nbytes for *_, nbytes in queued)
+    assert max(in_flight for in_flight, *_ in queued) <= 4 * MiB + largest
 
 
 def test_the_host_memory_to_plan_with_can_be_capped(monkeypatch):
