@@ -406,7 +406,8 @@ class Engine(nn.Module):
             self.zero_optimizer = ZeroOptimizer(
                 torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,
                 device=self.device, bucket_numel=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
-                offload=offload, frozen=_not_optimized(self.module, torch_optimizer),
+                offload=offload, gather_numel=self.plan.gather_numel,
+                frozen=_not_optimized(self.module, torch_optimizer),
             )  # fmt: skip
 
     def _plan_run(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -510,7 +511,6 @@ class Engine(nn.Module):
             manager=manager,
             home=home,
             tile_numel=self.plan.tile_numel,
-            gather_numel=self.plan.gather_numel,
             pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
             pipeline_write=spec.pipeline_write or not nvme,
             gradients=gradient_tier(zero, self.config.aio, **where),

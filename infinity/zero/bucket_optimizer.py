@@ -55,10 +55,13 @@ class ZeroOptimizer(PartitionedOptimizer):
         bucket_numel: int,
         overlap_comm: bool,
         offload: Offload | None,
+        gather_numel: int,
         frozen: list[nn.Parameter],
     ) -> None:
         """``frozen``: the model's parameters that are not in the optimizer; they are cast to the compute dtype
-        and never updated. ``offload``: the masters and states go to tiles in host memory or on NVMe."""
+        and never updated. ``offload``: the masters and states go to tiles in host memory or on NVMe.
+        ``gather_numel``: elements per rank in one all-gather of new weights (the plan's, from
+        allgather_bucket_size)."""
         self.optimizer = optimizer
         self.comm = comm
         self.stage = stage
@@ -74,7 +77,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         self.masters: list[nn.Parameter] = []
         self._master_at: list[tuple[int, int]] = []  # per master: (group, first element in the group's shard)
         self.masters_are_weights = offload is None and compute_dtype == torch.float32
-        self.gather_numel = None if offload is None else offload.gather_numel
+        self.gather_numel = gather_numel  # elements per rank in one gather of new weights (the plan's)
         self.largest_gather_numel = 0  # the most elements one tile gather held (world size x its part)
         if offload is not None:
             runs = [(g, b.index, b.shard_offset, b.piece_numel) for g, layout in enumerate(self.layouts)
@@ -168,7 +171,7 @@ class ZeroOptimizer(PartitionedOptimizer):
         def on_tile(tile: Tile) -> None:
             bucket = self.layouts[tile.group].buckets[tile.piece]
             flat = self.weights[tile.group][tile.piece]
-            part = tile.numel if self.gather_numel is None else self.gather_numel
+            part = self.gather_numel
             for first in range(0, tile.numel, part):
                 numel = min(part, tile.numel - first)
                 offset = tile.start - bucket.shard_offset + first  # within each rank's piece
@@ -203,21 +206,49 @@ class ZeroOptimizer(PartitionedOptimizer):
         return hook
 
     def _publish_weights(self) -> None:
-        """New low-precision pieces from the masters, gathered so every rank has the full weights."""
-        pending = []
+        """New low-precision pieces from the masters, gathered so every rank has the full weights. Each rank's
+        piece is cast into its own range of the bucket's flat weights, which the gather reads from (in place:
+        no copy of the piece). A gather holds at most allgather_bucket_size elements (the plan's gather_numel
+        per rank, as at stages 1-2 with offload: a larger piece travels in parts through a buffer of world size
+        x the part), and at most MAX_TILE_GATHERS are in flight."""
+        pending: deque = deque()
         for layout, weights in zip(self.layouts, self.weights, strict=True):
             for bucket, flat in zip(layout.buckets, weights, strict=True):
                 start, end = bucket.piece_range(self.shard_rank)
-                if self.masters_are_weights:
-                    piece = flat[start:end]  # stepped in place
-                else:
-                    master = self.masters[layout.group]
-                    piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
+                if not self.masters_are_weights:  # else stepped in place
+                    master = self.masters[layout.group].detach()
+                    flat[start:end].copy_(master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
                 if self.stage == 0 or not self.comm.active:
-                    if not self.masters_are_weights:
-                        flat.copy_(piece)  # every element is ours: convert in place, nothing to gather
-                else:
-                    piece = piece.to(device=self.device, dtype=self.compute_dtype)
-                    pending.append(collectives.all_gather_pieces(self.comm, flat, piece, async_op=True))
-        for item in pending:
-            item.wait()
+                    continue  # every element is ours: nothing to gather
+                for gather in self._gathers(bucket, flat, start, end - start):
+                    pending.append(gather)
+                    while len(pending) > MAX_TILE_GATHERS:
+                        pending.popleft().land(self.shard_rank)
+        while pending:
+            pending.popleft().land(self.shard_rank)
+
+    def _gathers(self, bucket: Bucket, flat: torch.Tensor, start: int, piece_numel: int):
+        """The all-gathers of a bucket's new weights, each started as it is asked for (``land`` finishes it)."""
+        if piece_numel <= self.gather_numel:
+            whole = collectives.all_gather_pieces(self.comm, flat, flat[start : start + piece_numel], async_op=True)
+            self.largest_gather_numel = max(self.largest_gather_numel, flat.numel())
+            yield _WholeGather(whole)
+            return
+        world = self.comm.world_size
+        for offset in range(0, piece_numel, self.gather_numel):
+            numel = min(self.gather_numel, piece_numel - offset)
+            gathered = torch.empty(numel * world, dtype=flat.dtype, device=flat.device)
+            self.largest_gather_numel = max(self.largest_gather_numel, gathered.numel())
+            mine = start + offset
+            handle = collectives.all_gather_pieces(self.comm, gathered, flat[mine : mine + numel], async_op=True)
+            yield _TileGather(handle, gathered, flat, bucket, offset, numel)
+
+
+@dataclass(slots=True)
+class _WholeGather:
+    """A bucket's weights gathered straight into its flat buffer (its piece fits one gather)."""
+
+    pending: collectives.Pending
+
+    def land(self, own_rank: int) -> None:
+        self.pending.wait()

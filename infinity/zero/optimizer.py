@@ -40,7 +40,6 @@ class Offload:
     pipeline_read: bool
     pipeline_write: bool
     gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
-    gather_numel: int | None = None  # stages 1-2: elements per rank in one gather of new weights (None: a tile)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ the smaller share, and the run equals plain PyTorch (fused AdamW on the whole ba
 
 The same run shows the node's host memory divided among its ranks (each gets half of the smaller host's), and
 allgather_bucket_size bounding what one gather of new weights holds (every all-gather the step issues is
-recorded): a tile of a million elements travels in parts of at most allgather_bucket_size, with the same result.
+recorded): a tile of a million elements travels in parts of at most allgather_bucket_size, with the same result,
+and so does the in-memory step's bucket without offload_optimizer.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def _worker(*, rank: int, world_size: int, nvme_path: str) -> dict:
     results = {"default": _train(config, rank=rank, world_size=world_size, gathers=gathers)}
     config["zero_optimization"]["allgather_bucket_size"] = GATHER_BOUND
     results["bounded"] = _train(config, rank=rank, world_size=world_size, gathers=gathers)
+    del config["zero_optimization"]["offload_optimizer"]  # the knob bounds the in-memory step's gathers too
+    results["in memory, bounded"] = _train(config, rank=rank, world_size=world_size, gathers=gathers)
     results["reference"] = _reference() if rank == 0 else None
     return results
 
@@ -150,6 +153,13 @@ def test_ranks_with_different_memory_agree_and_match_pytorch(tmp_path):
             )  # fmt: skip
             worst = max(_relative(got["params"][name], want) for name, want in ref_params.items())
             assert worst < 1e-5, f"{run}: rank {rank}'s parameters {worst:.1e} from plain PyTorch"
+    for rank, results in enumerate(per_rank):
+        got = results["in memory, bounded"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref_losses, strict=True)) < 1e-5
+        worst = max(_relative(got["params"][name], want) for name, want in ref_params.items())
+        assert worst < 1e-5, f"in memory: rank {rank}'s parameters {worst:.1e} from plain PyTorch"
+        assert got["largest_gather"] <= GATHER_BOUND, got["largest_gather"]  # was the whole bucket: 2,099,200
+        assert got["gathers"] >= 2 * 1_049_600 // GATHER_BOUND
     for results in per_rank:
         assert results["default"]["largest_gather"] == 2 * (1 << 20)  # world size x a whole tile
         bounded = results["bounded"]
