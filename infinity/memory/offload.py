@@ -49,6 +49,9 @@ def parameter_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str
         return Tier.DEVICE, None
     if spec.device == "cpu":
         return Tier.HOST, TierManager(pin_memory=spec.pin_memory)
+    if plan.param_buffers != spec.buffer_count and rank == 0:
+        logger.info("offload_param.buffer_count %d raised to %d (a piece read ahead needs a buffer)", spec.buffer_count,
+                    plan.param_buffers)  # fmt: skip
     manager = _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="params", buffers=plan.param_buffers,
                             pin=spec.pin_memory, owner="offload_param")  # fmt: skip
     return Tier.NVME, manager

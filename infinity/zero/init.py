@@ -38,11 +38,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
@@ -52,6 +54,7 @@ from infinity.aio.handle import AioSettings
 from infinity.comm import Comm
 from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
+from infinity.logs import install_default_handler
 from infinity.memory.host import return_freed_memory
 from infinity.memory.plan import check_init_piece
 from infinity.zero import collectives
@@ -66,6 +69,11 @@ class InitNvme:
     nvme_path: str
     aio: AioSettings
 
+
+
+def _global_rank() -> int:
+    """This process's rank, before any engine exists (0 without a process group or a launcher)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 class InitSwap:
     """The NVMe store of one zero.Init context ([Note: zero.Init]): pieces are appended as modules are built.
@@ -355,6 +363,9 @@ class Init:
             raise ConfigError("zero.Init: data_parallel_group and sequence_data_parallel_group both given; give one")
         for name, value in (("pin_memory", pin_memory), ("mem_efficient_linear", mem_efficient_linear)):
             if value is not None:
+                # zero.Init may come before any engine has set up the logger's default handler: the line
+                # must reach a user who set up no logging all the same (logs.py)
+                install_default_handler(_global_rank())
                 say_no_effect(f"zero.Init({name}=)", _NO_EFFECT[name])
         self.enabled = enabled
         self.dtype = dtype

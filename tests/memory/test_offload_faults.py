@@ -514,3 +514,17 @@ def test_a_failed_initialize_leaves_no_hooks_and_no_swap_files(nvme, failing):
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     assert tree(nvme) == []
+
+
+def test_a_buffer_count_the_ring_cannot_use_is_said_not_silently_raised(nvme, caplog):
+    """offload_param.buffer_count 0 leaves no buffer to read a piece ahead into: the plan makes it 1, and says so
+    (as it says of offload_optimizer's ring, which needs three)."""
+    config = nvme_config(nvme, stage=3)
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 0}
+    config["zero_optimization"]["offload_optimizer"]["buffer_count"] = 1
+    with caplog.at_level(logging.INFO, logger="infinity"):
+        engine, *_ = infinity.initialize(model=build(MODEL), config=config)
+        engine.destroy()
+    lines = [r.getMessage() for r in caplog.records]
+    assert "offload_param.buffer_count 0 raised to 1 (a piece read ahead needs a buffer)" in lines, lines
+    assert any(line.startswith("offload_optimizer.buffer_count 1 raised to 3") for line in lines), lines

@@ -76,3 +76,19 @@ def test_logging_configured_after_the_engine_takes_over(capsys):
         logger.info("step 10: loss 1.0")
     assert collect.records == ["step 10: loss 1.0"]
     assert capsys.readouterr().err == ""  # said once, by the user's handler
+
+
+def test_zero_init_says_its_arguments_without_effect_before_any_engine(capsys):
+    """zero.Init usually comes before initialize() has set up the default handler: its "no effect" line for
+    DeepSpeed's pin_memory= must reach a user who set up no logging all the same."""
+    from torch import nn
+
+    import infinity.zero
+    from infinity import config_keys
+
+    config_keys._SAID.discard("zero.Init(pin_memory=)")
+    with bare_logging():
+        with infinity.zero.Init(pin_memory=True):
+            nn.Linear(4, 4)
+        err = capsys.readouterr().err
+    assert "zero.Init(pin_memory=) has no effect in infinity" in err, err
