@@ -297,6 +297,7 @@ class Coordinator:
         if unit not in self.table.module_units[module]:
             self.table.module_units[module] += (unit,)
         started = time.perf_counter()
+        self._evict_for(self._numel[unit], keep={unit, *self.table.module_units[module]})  # within max_live
         self._fetch([unit], [])
         self.stats.fetches += 1
         self.stats.on_demand += 1

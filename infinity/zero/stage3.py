@@ -37,10 +37,19 @@ from infinity.zero.units import Unit, UnitState, UnitTable, build_units, registe
 logger = logging.getLogger("infinity")
 
 
+# Calls that never fetch: attribute reads and writes (units re-point param.data: that is how they attach and
+# release) and questions about the tensor's metadata, which a released parameter answers as DeepSpeed's does (numel()
+# 0, as its shape (0,); ds_numel and ds_shape hold the whole parameter's). Counting parameters inside a forward must
+# not gather the whole model.
+_PASS_THROUGH = frozenset({"__get__", "__set__", "numel", "nelement", "size", "dim", "ndimension", "element_size",
+                           "is_floating_point", "is_complex", "get_device", "is_contiguous", "stride"})  # fmt: skip
+
+
 class _FetchOnUse(TorchFunctionMode):
     """Active during forward: a torch call given a released parameter (one the running module does not own and
     so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
-    and writes (``param.data = ...``, which is how units attach and release) pass through. The fetch is a
+    and writes (``param.data = ...``, which is how units attach and release) and metadata questions pass through
+    (_PASS_THROUGH). The fetch is a
     rendezvous like any other ([Note: fetch rendezvous] in rendezvous.py), so other ranks need not do the same."""
 
     def __init__(self, table: UnitTable, coordinator: Coordinator) -> None:
@@ -50,7 +59,7 @@ class _FetchOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in ("__get__", "__set__"):  # attributes; units re-point param.data
+        if getattr(func, "__name__", "") in _PASS_THROUGH:
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             if isinstance(value, list | tuple | dict):  # parameters inside containers, at any depth

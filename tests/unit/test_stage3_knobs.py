@@ -86,3 +86,44 @@ def test_nvme_pieces_are_read_ahead_without_prefetch(tmp_path):
     stats = second_step_stats(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0, offload_param=offload)
     assert stats["prefetches"] == 0, stats
     assert stats["read_ahead"] >= 8, stats  # every unit's piece after the first, at least once per pass
+
+
+class CountsItsParameters(nn.Module):
+    """A forward that asks its parameters' sizes (as logging code does) and reads a child's weight directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = deep_mlp()
+        self.counted: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.counted.append(sum(p.numel() for p in self.parameters()))
+        scale = self.body[0].weight.mean()  # a real use of a unit the root does not own
+        return self.body(x) * scale
+
+
+def test_a_forward_asking_sizes_gathers_nothing_and_uses_stay_within_max_live():
+    """numel() of a released parameter is 0, as DeepSpeed's (ds_numel holds the whole count; a gathered one
+    counts in full), and gathers nothing: counting parameters inside forward used to fetch every unit into the
+    root module, the whole model live at once past stage3_max_live_parameters. A real use of another module's
+    weight is fetched within the cap."""
+    torch.manual_seed(7)
+    model = CountsItsParameters()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                              "stage3_max_live_parameters": 3 * UNIT},
+    }  # fmt: skip
+    engine, *_ = infinity.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 32, generator=gen)).pow(2).mean())
+            engine.step()
+        stats = engine.zero_stats()
+    finally:
+        engine.destroy()
+    # the second step: the root now fetches the unit it reads (body[0]'s) before it runs, so that one counts
+    assert model.counted == [0, 32 * 32 + 32], model.counted
+    assert stats["peak_live_numel"] <= 4 * UNIT, stats
