@@ -187,15 +187,6 @@ class ZeroOptimizer(PartitionedOptimizer):
         while pending:
             pending.popleft().land(self.shard_rank)
 
-    def fp32_shards(self) -> list[torch.Tensor]:
-        shards = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in self.layouts]
-        if self.tiled is None:
-            for master, (group, first) in zip(self.masters, self._master_at, strict=True):
-                shards[group][first : first + master.numel()].copy_(master.detach())
-            return shards
-        self.tiled.read_masters(lambda tile: shards[tile.group][tile.start : tile.start + tile.numel])
-        return shards
-
     def _make_hook(self, state_index: int, offset: int):
         reducer = self.reducer
 

@@ -274,16 +274,6 @@ class UnitShards:
         self.load_into(index, out)
         return out
 
-    def snapshot(self) -> torch.Tensor:
-        """The whole shard, as a new host tensor (for tests and checkpoints)."""
-        if self.flat is not None:
-            return self.flat.detach().cpu().clone()
-        self.manager.flush()
-        out = torch.empty(self.layout.shard_numel, dtype=self.dtype)
-        for bucket in self.layout.buckets:
-            self.load_into(bucket.index, out[self._span(bucket.index)])
-        return out
-
     def close(self) -> None:
         for index in list(self._copying):
             self._copied(index)

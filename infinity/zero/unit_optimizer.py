@@ -178,11 +178,6 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
         self._regather_persistent()
 
-    def fp32_shards(self) -> list[torch.Tensor]:
-        flat = self.table.shards.snapshot().float()
-        self.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
-        return [flat]
-
     def _regather_persistent(self) -> None:
         for unit in self.table.units:
             if unit.persistent:

@@ -5,7 +5,7 @@ pieces of the shard, cut where SIMD lanes do not care, so the results are those 
 bit. This checks it with ``torch.equal`` at world size 1 and 2 (real processes over gloo, one spawn per world size
 computing every run; the asserts are cheap): the fp32 losses, the global gradient norms, the final parameters as
 GatheredParameters shows them, each rank's own fp32 master pieces (training.own_pieces, through
-``fp32_shards()``), and at stage 3 each rank's compute-dtype shard pieces. Each offloaded run is compared with the
+``fp32_shards``), and at stage 3 each rank's compute-dtype shard pieces. Each offloaded run is compared with the
 same configuration without offload_optimizer on the same rank. Swap files live under pytest's tmp_path (the
 real disk); none may be left once the runs end.
 

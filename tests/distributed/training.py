@@ -264,7 +264,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
         if not masters:
             raise ValueError("below stage 3 every rank holds the whole compute-dtype model: read the parameters")
         trained = set()
-        for params, layout, master in zip(optimizer.groups, optimizer.layouts, optimizer.fp32_shards(), strict=True):
+        for params, layout, master in zip(optimizer.groups, optimizer.layouts, fp32_shards(optimizer), strict=True):
             for bucket in layout.buckets:
                 start, end = bucket.piece_range(optimizer.shard_rank)
                 piece = master.detach()[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel]
@@ -276,7 +276,7 @@ def own_pieces(engine, *, masters: bool = True) -> dict[str, list[tuple[int, tor
                 pieces[name].append((0, param.detach().float().reshape(-1).cpu().clone()))
         return pieces
     table = engine.stage3.table
-    flat = optimizer.fp32_shards()[0] if masters else table.shards.snapshot().float()
+    flat = fp32_shards(optimizer)[0] if masters else shard_snapshot(table.shards).float()
     for unit in table.units:
         bucket = unit.bucket
         start, end = bucket.piece_range(engine.global_rank)
@@ -301,3 +301,31 @@ def pieces_error(per_rank: list[dict], ref: dict[str, torch.Tensor]) -> float:
                 error = max(error, float(deviation / flat.abs().max().clamp_min(1e-12)))
         assert bool(covered.all()), f"{name}: {int((~covered).sum())} elements in no rank's pieces"
     return error
+
+
+def shard_snapshot(shards) -> torch.Tensor:
+    """A stage-3 rank's whole compute-dtype shard (zero/shards.py UnitShards), as a new host tensor: O(shard), for
+    comparing with plain PyTorch; the engine itself never holds the shard whole."""
+    if shards.flat is not None:
+        return shards.flat.detach().cpu().clone()
+    shards.manager.flush()
+    out = torch.empty(shards.layout.shard_numel, dtype=shards.dtype)
+    for bucket in shards.layout.buckets:
+        shards.load_into(bucket.index, out[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
+    return out
+
+
+def fp32_shards(optimizer) -> list[torch.Tensor]:
+    """A rank's fp32 masters, one flat shard per param group (stage 3: one for the whole shard, the pieces of
+    parameters outside the optimizer in their compute-dtype values), read from their tiles when offloaded."""
+    if getattr(optimizer, "table", None) is not None:  # stage 3 (UnitOptimizer)
+        flat = shard_snapshot(optimizer.table.shards).float()
+        optimizer.tiled.read_masters(lambda tile: flat[tile.start : tile.start + tile.numel])
+        return [flat]
+    shards = [torch.zeros(layout.shard_numel, dtype=torch.float32) for layout in optimizer.layouts]
+    if optimizer.tiled is None:
+        for master, (group, first) in zip(optimizer.masters, optimizer._master_at, strict=True):
+            shards[group][first : first + master.numel()].copy_(master.detach())
+        return shards
+    optimizer.tiled.read_masters(lambda tile: shards[tile.group][tile.start : tile.start + tile.numel])
+    return shards

@@ -13,6 +13,7 @@ from infinity.memory import NvmeStore
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.shards import UnitShards, host_kept
+from tests.distributed.training import shard_snapshot
 
 # unit 0 is the persistent one; pieces (world size 1, multiples of ALIGN) of 800, 4000, 240, 1200 and 96 elements
 NUMELS = [16, 800, 4000, 240, 1200, 96]
@@ -71,7 +72,7 @@ def test_kept_pieces_stay_in_host_memory_and_the_rest_on_nvme(tmp_path):
         unit.unstage_all()
         assert unit.on_device(2) is unit.edit(2)  # gathered straight from host memory (the device is the CPU)
         want = [piece_values(i) + (0.5 if i in (2, 3) else 0.0) for i in range(len(NUMELS))]
-        assert torch.equal(unit.snapshot(), torch.cat(want))
+        assert torch.equal(shard_snapshot(unit), torch.cat(want))
         assert all(torch.equal(unit.read(i), want[i]) for i in range(len(NUMELS)))
         assert unit.manager.stats().traffic["nvme_write"].bytes == (240 + 1200 + 240) * 4
     finally:
@@ -85,7 +86,7 @@ def test_max_in_cpu_zero_puts_every_piece_on_nvme_and_a_large_one_none(tmp_path,
     try:
         for index in range(len(NUMELS)):
             unit.store(index, piece_values(index))
-        assert torch.equal(unit.snapshot(), torch.cat([piece_values(i) for i in range(len(NUMELS))]))
+        assert torch.equal(shard_snapshot(unit), torch.cat([piece_values(i) for i in range(len(NUMELS))]))
         names = [s.name for s in unit.manager.store.layout]
         if host_numel:
             assert unit.kept == {1, 2, 3, 4, 5} and unit.on_nvme == () and names == []
@@ -130,7 +131,7 @@ def test_a_piece_the_step_overwrites_is_not_read_and_an_outsized_one_is_kept_for
         unit.load_into(2, out)
         assert torch.equal(out, piece_values(2) * 5)
         expected = [piece_values(i) * {2: 5, 4: -1}.get(i, 1) for i in range(len(NUMELS))]
-        assert torch.equal(unit.snapshot(), torch.cat(expected))  # read back from the swap file
+        assert torch.equal(shard_snapshot(unit), torch.cat(expected))  # read back from the swap file
     finally:
         unit.close()
     assert list(tmp_path.iterdir()) == []
@@ -155,7 +156,7 @@ def test_outsized_pieces_kept_and_written_behind_stay_within_the_staging_budget(
         unit.unstage_all()  # the pass ended without gathering them
         assert not unit._fresh
         expected = [torch.zeros(NUMELS[0])] + [piece_values(i) for i in range(1, len(NUMELS))]
-        assert torch.equal(unit.snapshot(), torch.cat(expected))
+        assert torch.equal(shard_snapshot(unit), torch.cat(expected))
         assert not manager._loose_writes
     finally:
         unit.close()
@@ -181,7 +182,7 @@ def test_loose_writes_in_flight_are_bounded_by_the_ring(tmp_path, monkeypatch):
             assert manager._loose_bytes() <= max(ring, NUMELS[index] * 4), index
         assert len(manager._loose_writes) == 1  # every piece is larger than the ring: one in flight at a time
         expected = [torch.zeros(NUMELS[0])] + [piece_values(i) for i in range(1, len(NUMELS))]
-        assert torch.equal(unit.snapshot(), torch.cat(expected))
+        assert torch.equal(shard_snapshot(unit), torch.cat(expected))
     finally:
         unit.close()
     assert list(tmp_path.iterdir()) == []
