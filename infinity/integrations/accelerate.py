@@ -493,9 +493,17 @@ class InfinityAccelerator(Accelerator):
 
     def get_state_dict(self, model, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Collective. The model's full state dict in the engine's compute dtype, on the CPU. At stage 3 the weights
-        are gathered one unit at a time and kept by rank 0 only (other ranks get {}), as DeepSpeed does."""
+        are gathered one unit at a time and kept by rank 0 only (other ranks get {}), as DeepSpeed does, and only
+        with stage3_gather_16bit_weights_on_model_save (else an error, as Accelerate's under DeepSpeed)."""
         if self.engine is None or model not in (self.engine, self.engine.module):
             return super().get_state_dict(model, unwrap=unwrap)
+        zero = self.engine.config.zero
+        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            raise ConfigError(
+                "get_state_dict at ZeRO stage 3 gathers the 16-bit weights: set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save true, or save the sharded checkpoint "
+                "(save_state) and consolidate it with `infinity ckpt to-fp32`"
+            )
         return full_state_dict(self.engine)
 
     # ---- checkpoints ----

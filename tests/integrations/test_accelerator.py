@@ -6,6 +6,7 @@ one distributed run."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -52,6 +53,7 @@ def stage_config(stage: int, nvme_path=None) -> dict:
     zero: dict = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # partition every parameter of the tiny model
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # get_state_dict gathers the weights
     if nvme_path is not None:
         os.makedirs(nvme_path, exist_ok=True)
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path)}
@@ -116,6 +118,11 @@ def test_accelerator_loop_matches_plain_accelerate(tmp_path):
         assert state.keys() == plain_state.keys()
         for key, value in plain_state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+        if stage == 3:  # without the gather flag: an error, as Accelerate's under DeepSpeed
+            zero = dataclasses.replace(engine.config.zero, stage3_gather_16bit_weights_on_model_save=False)
+            engine.config = dataclasses.replace(engine.config, zero=zero)
+            with pytest.raises(ConfigError, match="stage3_gather_16bit_weights_on_model_save"):
+                accelerator.get_state_dict(engine)
         engine.destroy()
         # The saved state (after micro-batch 4: two optimizer steps) resumes the last two steps exactly.
         resumed, resumed_norms, accelerator, engine = accelerate_loop(
