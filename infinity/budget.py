@@ -29,6 +29,7 @@ import enum
 
 from infinity.config import Config, ZeroConfig
 from infinity.memory.plan import (
+    MAX_TILE_GATHERS,
     LayoutSizes,
     Plan,
     SwapNeed,
@@ -278,6 +279,12 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("buffers", "gradient buckets in flight", Where.DEVICE, in_flight * 4))
         else:
             rows.append(_stage3_gradient_buckets(owners, config, n))
+    if zero.stage in (1, 2) and n > 1:  # the step's gathers of new weights (zero/bucket_optimizer.py)
+        largest = max(layout.runs, default=0)  # elements of the largest bucket piece
+        part = min(plan.tile_numel, largest, plan.gather_numel) if offload_opt.enabled else plan.gather_numel
+        if offload_opt.enabled or largest > plan.gather_numel:  # else each bucket is gathered in place
+            rows.append(Row("buffers", f"new weights' gathers in flight ({MAX_TILE_GATHERS} of {n} x {part:,} "
+                            "elements)", Where.DEVICE, MAX_TILE_GATHERS * n * part * width))  # fmt: skip
 
     # ---- the optimizer's NVMe rings: buffers of the largest tile (tiles never cross a unit or a bucket) ----
     if offload_opt.device == "nvme":

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 STAGING_BUDGET_BYTES = 256 << 20  # the most one staging ring (or the outsized pieces' cache) holds per rank
 MIN_TILE_NUMEL = 1 << 20  # a smaller tile is too small a request to keep the disk busy
+MAX_TILE_GATHERS = 2  # stages 1-2: gathers of new weights in flight at once (zero/bucket_optimizer.py)
 TILE_MULTIPLE = 64  # tiles are cut at multiples of 64 elements (zero/tiles.py, cut: SIMD lanes)
 NVME_ALIGN = 4096  # each segment of a swap file starts on a 4 KiB boundary (nvme_store.py)
 HOST_CACHE_PART = 4  # max_in_cpu's pieces: a quarter of the rank's host share

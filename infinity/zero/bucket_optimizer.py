@@ -11,13 +11,12 @@ import torch
 from torch import nn
 
 from infinity.comm import Comm
+from infinity.memory.plan import MAX_TILE_GATHERS
 from infinity.zero import collectives
 from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
 from infinity.zero.partition import Bucket, GroupLayout, plan
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.tiles import Tile
-
-MAX_TILE_GATHERS = 2
 
 
 @dataclass(slots=True)
@@ -166,26 +165,29 @@ class ZeroOptimizer(PartitionedOptimizer):
             self.tiled.step(self.optimizer.param_groups)
             return
         pending: deque[_TileGather] = deque()
-        world = self.comm.world_size
 
         def on_tile(tile: Tile) -> None:
             bucket = self.layouts[tile.group].buckets[tile.piece]
             flat = self.weights[tile.group][tile.piece]
-            part = self.gather_numel
-            for first in range(0, tile.numel, part):
-                numel = min(part, tile.numel - first)
+            for first in range(0, tile.numel, self.gather_numel):
                 offset = tile.start - bucket.shard_offset + first  # within each rank's piece
-                mine = bucket.piece_range(self.shard_rank)[0] + offset
-                gathered = torch.empty(numel * world, dtype=flat.dtype, device=flat.device)
-                self.largest_gather_numel = max(self.largest_gather_numel, gathered.numel())
-                handle = collectives.all_gather_pieces(self.comm, gathered, flat[mine : mine + numel], async_op=True)
-                pending.append(_TileGather(handle, gathered, flat, bucket, offset, numel))
-                while len(pending) > MAX_TILE_GATHERS:
-                    pending.popleft().land(self.shard_rank)
+                self._gather_part(pending, bucket, flat, offset, min(self.gather_numel, tile.numel - first))
 
         self.tiled.step(self.optimizer.param_groups, on_tile)
         while pending:
             pending.popleft().land(self.shard_rank)
+
+    def _gather_part(self, pending: deque, bucket: Bucket, flat: torch.Tensor, offset: int, numel: int) -> None:
+        """Starts the all-gather of ``numel`` elements from ``offset`` of every rank's piece of the bucket (this
+        rank's already in place in ``flat``), through a buffer of world size x numel; first lands the oldest
+        gathers, so at most MAX_TILE_GATHERS buffers exist at once."""
+        while len(pending) >= MAX_TILE_GATHERS:
+            pending.popleft().land(self.shard_rank)
+        gathered = torch.empty(numel * self.comm.world_size, dtype=flat.dtype, device=flat.device)
+        self.largest_gather_numel = max(self.largest_gather_numel, gathered.numel())
+        mine = bucket.piece_range(self.shard_rank)[0] + offset
+        handle = collectives.all_gather_pieces(self.comm, gathered, flat[mine : mine + numel], async_op=True)
+        pending.append(_TileGather(handle, gathered, flat, bucket, offset, numel))
 
     def _make_hook(self, state_index: int, offset: int):
         reducer = self.reducer
@@ -211,28 +213,17 @@ class ZeroOptimizer(PartitionedOptimizer):
                     flat[start:end].copy_(master[bucket.shard_offset : bucket.shard_offset + bucket.piece_numel])
                 if self.stage == 0 or not self.comm.active:
                     continue  # every element is ours: nothing to gather
-                for gather in self._gathers(bucket, flat, start, end - start):
-                    pending.append(gather)
-                    while len(pending) > MAX_TILE_GATHERS:
+                if end - start <= self.gather_numel:  # one gather, straight into the flat weights
+                    while len(pending) >= MAX_TILE_GATHERS:
                         pending.popleft().land(self.shard_rank)
+                    whole = collectives.all_gather_pieces(self.comm, flat, flat[start:end], async_op=True)
+                    self.largest_gather_numel = max(self.largest_gather_numel, flat.numel())
+                    pending.append(_WholeGather(whole))
+                    continue
+                for offset in range(0, end - start, self.gather_numel):
+                    self._gather_part(pending, bucket, flat, offset, min(self.gather_numel, end - start - offset))
         while pending:
             pending.popleft().land(self.shard_rank)
-
-    def _gathers(self, bucket: Bucket, flat: torch.Tensor, start: int, piece_numel: int):
-        """The all-gathers of a bucket's new weights, each started as it is asked for (``land`` finishes it)."""
-        if piece_numel <= self.gather_numel:
-            whole = collectives.all_gather_pieces(self.comm, flat, flat[start : start + piece_numel], async_op=True)
-            self.largest_gather_numel = max(self.largest_gather_numel, flat.numel())
-            yield _WholeGather(whole)
-            return
-        world = self.comm.world_size
-        for offset in range(0, piece_numel, self.gather_numel):
-            numel = min(self.gather_numel, piece_numel - offset)
-            gathered = torch.empty(numel * world, dtype=flat.dtype, device=flat.device)
-            self.largest_gather_numel = max(self.largest_gather_numel, gathered.numel())
-            mine = start + offset
-            handle = collectives.all_gather_pieces(self.comm, gathered, flat[mine : mine + numel], async_op=True)
-            yield _TileGather(handle, gathered, flat, bucket, offset, numel)
 
 
 @dataclass(slots=True)

@@ -154,11 +154,6 @@ class PartitionedOptimizer:
     def _step_tiles(self) -> None:
         raise NotImplementedError
 
-    def fp32_shards(self) -> list[torch.Tensor]:
-        """This rank's fp32 masters, as new host tensors: per param group its shard (stages 0-2), or the whole flat
-        shard with the masters in place (stage 3). Reads the tiles when offloaded (for checkpoints, tests)."""
-        raise NotImplementedError
-
     def _local_overflow(self) -> bool:
         return any(not torch.isfinite(grad).all() for grad in self.grad_shards)
 

@@ -10,10 +10,13 @@ it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed.
 [Note: fixed launch order]
 Buckets are launched in an order fixed before backward starts, and bucket k only after every bucket before it in
 that order: a collective is issued in the same sequence on every rank, whatever order the hooks fire in. Stages
-0-2 use reverse layout order (the order backward usually completes them); with overlap_comm the launches are
-asynchronous and happen inside backward, as soon as the prefix is complete; without it they happen after
-backward. finish_backward() launches what is left (buckets with unused parameters contribute zeros) and waits
-for all of them. Stage 3: [Note: launch order].
+0-2 use reverse layout order (the order backward usually completes them). Stage 2 launches inside backward, as
+soon as the prefix is complete: asynchronously with overlap_comm (at most max_in_flight at once), synchronously
+without it, so a bucket's buffer goes back as soon as it is reduced, as DeepSpeed reduces each bucket as it fills
+either way (holding them all until backward ends would hold the whole model's fp32 gradient). Stages 0-1 keep
+their full buffers across the window and, without overlap_comm, launch after backward. finish_backward()
+launches what is left (buckets with unused parameters contribute zeros) and waits for all of them. Stage 3:
+[Note: launch order].
 
 [Note: launch order]
 Stage 3 launches in execution order, and inside backward with or without overlap_comm: a unit's fp32 bucket is
@@ -151,7 +154,7 @@ class GradientReducer:
 
     def _arrived(self, state: _BucketState) -> None:
         state.arrived += 1
-        if state.arrived == state.expected and (self.overlap_comm or self.wait_in_backward is not None):
+        if state.arrived == state.expected and (self.overlap_comm or self.stage >= 2):
             self._launch_ready_prefix(complete_only=True)
             self._reap_finished()
 
@@ -241,6 +244,9 @@ class GradientReducer:
         if waits_here and not self.overlap_comm:  # reduced before backward goes on
             while self._pending:
                 self._wait_oldest(in_backward=True)
+        elif not async_op:  # stage 2 without overlap_comm: reduced already; its buffer goes back now
+            while self._pending:
+                self._pending.pop(0).pending.wait()
         elif self.in_flight_numel is not None:  # while more than reduce_bucket_size is in flight (one always goes)
             while len(self._pending) > 1 and sum(f.numel for f in self._pending) > self.in_flight_numel:
                 self._wait_oldest(in_backward=waits_here)

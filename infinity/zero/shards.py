@@ -107,9 +107,9 @@ class UnitShards:
                 self._resident[index] = manager.acquire(self._name(index)).wait()
         else:
             where = device if home is Tier.DEVICE else torch.device("cpu")
-            self.flat = torch.zeros(layout.shard_numel, dtype=dtype, device=where)
-            if home is Tier.HOST and manager is not None and manager.pin_memory and torch.cuda.is_available():
-                self.flat = self.flat.pin_memory()
+            pin = home is Tier.HOST and manager is not None and manager.pin_memory and torch.cuda.is_available()
+            self.flat = torch.zeros(layout.shard_numel, dtype=dtype, device=where, pin_memory=pin)  # pinned as made:
+            # no second copy of the shard
 
     @staticmethod
     def _name(index: int) -> str:

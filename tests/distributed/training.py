@@ -206,10 +206,11 @@ def engine_config(
     return config
 
 
-def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_size: int):
+def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_size: int, probe=None):
     """Each rank trains on its slice of every global batch; returns losses (this rank's mean of micro-batch
     losses, averaged over ranks), the final full parameters as GatheredParameters shows them, and this rank's
-    own master pieces (own_pieces: read from its shard, no collective)."""
+    own master pieces (own_pieces: read from its shard, no collective); ``probe(engine)``'s dict too, if given,
+    taken before the engine is destroyed."""
     model = build(model_name)
     engine, *_ = infinity.initialize(model=model, config=config)
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -239,6 +240,7 @@ def train_engine(model_name: str, config: dict, *, steps: int, rank: int, world_
         "compute_pieces": compute_pieces,
         "state_bytes": engine.optimizer_state_bytes(),
         "global_steps": engine.global_steps,
+        **(probe(engine) if probe is not None else {}),
     }
     engine.destroy()
     return result
