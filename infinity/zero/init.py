@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Iterable
@@ -371,6 +372,8 @@ class Init:
         self.dtype = dtype
         _check_group(data_parallel_group if data_parallel_group is not None else sequence_data_parallel_group)
         raw = config if config is not None else config_dict_or_path
+        if dtype is None and enabled:
+            _say_dtype(raw)
         self._nvme = self._nvme_settings(raw, remote_device)
         self._host = self._nvme is None and _host_pieces(raw, remote_device)
         self._swap: InitSwap | None = None
@@ -484,6 +487,28 @@ class Init:
                     param.data = param.data.to(self.dtype)
                 _partition(param, self.comm, broadcast=True, device=self.device, swap=self._swap, module_of=module,
                            host=self._host)  # fmt: skip
+
+
+
+def _say_dtype(raw) -> None:
+    """Where the config computes in 16 bits and dtype= is not given, DeepSpeed would cut the pieces in that dtype;
+    here they keep the model's ([Note: zero.Init arguments]): said once, so a store twice the size is no surprise."""
+    if raw is None:
+        return
+    from infinity.config import load_json
+
+    sections = load_json(raw)
+    sixteen = [k for k in ("bf16", "fp16") if isinstance(sections.get(k), dict) and sections[k].get("enabled") is True]
+    if sixteen and not _DTYPE_SAID:
+        _DTYPE_SAID.append(True)
+        install_default_handler(_global_rank())
+        torch_name = "bfloat16" if sixteen[0] == "bf16" else "float16"
+        logging.getLogger("infinity").info(
+            "zero.Init: the pieces keep the dtype the model builds them in (DeepSpeed would cut them in the config's "
+            "%s); pass dtype=torch.%s to build them in 16 bits", sixteen[0], torch_name)
+
+
+_DTYPE_SAID: list[bool] = []  # once per process
 
 
 def _host_pieces(raw, remote_device: str | None) -> bool:

@@ -4,6 +4,8 @@ stays out of the way of one who did."""
 import contextlib
 import logging
 
+import torch
+
 from infinity.logs import install_default_handler
 
 
@@ -92,3 +94,22 @@ def test_zero_init_says_its_arguments_without_effect_before_any_engine(capsys):
             nn.Linear(4, 4)
         err = capsys.readouterr().err
     assert "zero.Init(pin_memory=) has no effect in infinity" in err, err
+
+
+def test_zero_init_says_the_pieces_keep_the_models_dtype_under_a_16_bit_config(capsys, monkeypatch):
+    """DeepSpeed cuts zero.Init's pieces in the config's bf16 when dtype= is not given; here they keep the model's
+    dtype (a model built under Init equals one built without): said once, with what to pass."""
+    from torch import nn
+
+    import infinity.zero
+    from infinity.zero import init
+
+    monkeypatch.setattr(init, "_DTYPE_SAID", [])
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    with bare_logging():
+        for _ in range(2):
+            with infinity.zero.Init(config=config):
+                layer = nn.Linear(4, 4)
+        err = capsys.readouterr().err
+    assert err.count("pass dtype=torch.bfloat16 to build them in 16 bits") == 1, err
+    assert layer.weight.dtype is torch.float32
