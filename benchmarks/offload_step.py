@@ -77,18 +77,20 @@ def engine_config(mode: str, nvme_path: str, dtype: str) -> dict:
 
 class Fsdp2:
     """Plain PyTorch FSDP2 with the engine's surface for the loop below: fully_shard on every block and the root,
-    torch's AdamW (fused, as the engine's), bf16 parameters in compute via MixedPrecisionPolicy when asked."""
+    torch's AdamW (fused, as the engine's), bf16 parameters in compute via MixedPrecisionPolicy when asked;
+    ``cpu_offload``: CPUOffloadPolicy (parameters, gradients and the optimizer step in host memory)."""
 
-    def __init__(self, model, dtype: str) -> None:
+    def __init__(self, model, dtype: str, *, cpu_offload: bool = False) -> None:
         import torch.distributed as dist
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if not dist.is_initialized():
             dist.init_process_group("gloo")
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None)
+        offload = CPUOffloadPolicy(pin_memory=False) if cpu_offload else OffloadPolicy()
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=policy)
-        self.module = fully_shard(model, mp_policy=policy)
+            fully_shard(block, mp_policy=policy, offload_policy=offload)
+        self.module = fully_shard(model, mp_policy=policy, offload_policy=offload)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, fused=True)
 
     def __call__(self, *args, **kwargs):

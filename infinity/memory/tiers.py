@@ -209,8 +209,7 @@ class TierManager:
                 self._ring.append(_Slot(allocate_host_buffer(self.buffer_bytes, pin=pin)))
         for spec in self._specs.values():
             if spec.home is Tier.HOST:
-                home = torch.empty(spec.numel, dtype=spec.dtype)
-                self._homes[spec.name] = home.pin_memory() if pin else home
+                self._homes[spec.name] = torch.empty(spec.numel, dtype=spec.dtype, pin_memory=pin)  # pinned as made
             elif spec.home is Tier.DEVICE:
                 self._homes[spec.name] = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         self._open = True

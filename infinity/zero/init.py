@@ -286,6 +286,7 @@ INIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_EFFECT = {
     "pin_memory": "the engine pins the pieces as offload_param.pin_memory says once initialize() takes them",
     "mem_efficient_linear": "torch's own linear is used",
+    "fwd_module": "a module's forward that uses another's parameters gathers them itself (an external use)",
 }
 
 
@@ -530,6 +531,9 @@ class GatheredParameters:
     initialize(), a rank entering alone gets a CollectiveUsageError)."""
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True) -> None:
+        if fwd_module is not None:
+            install_default_handler(_global_rank())
+            say_no_effect("GatheredParameters(fwd_module=)", _NO_EFFECT["fwd_module"])
         if isinstance(params, torch.Tensor):
             params = [params]
         self.params = list(params) if isinstance(params, Iterable) else [params]

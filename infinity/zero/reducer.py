@@ -10,13 +10,22 @@ it is added, in fp32, into its bucket's flat buffer and ``param.grad`` is freed.
 [Note: fixed launch order]
 Buckets are launched in an order fixed before backward starts, and bucket k only after every bucket before it in
 that order: a collective is issued in the same sequence on every rank, whatever order the hooks fire in. Stages
-0-2 use reverse layout order (the order backward usually completes them). Stage 2 launches inside backward, as
+0-2 start from reverse layout order (the order backward usually completes them; stage 2 then launches in the
+order the last backward completed them: [Note: learned order]). Stage 2 launches inside backward, as
 soon as the prefix is complete: asynchronously with overlap_comm (at most max_in_flight at once), synchronously
 without it, so a bucket's buffer goes back as soon as it is reduced, as DeepSpeed reduces each bucket as it fills
 either way (holding them all until backward ends would hold the whole model's fp32 gradient). Stages 0-1 keep
 their full buffers across the window and, without overlap_comm, launch after backward. finish_backward()
 launches what is left (buckets with unused parameters contribute zeros) and waits for all of them. Stage 3:
 [Note: launch order].
+
+[Note: learned order]
+Stage 2's fixed order is a guess: where the optimizer's param groups (a Trainer's decay and no-decay groups) or
+the modules' registration order differ from the order backward completes the buckets, a bucket filled early waits
+for every bucket before it, and the waiting ones add up to the whole model's gradient. So each backward records
+the order it completed its buckets in, and the next backward launches in that order when every rank recorded the
+same one (one small all-gather before each backward); ranks that differ (their branches took other parameters)
+keep the fixed order, which only costs memory, never the result.
 
 [Note: launch order]
 Stage 3 launches in execution order, and inside backward with or without overlap_comm: a unit's fp32 bucket is
@@ -55,6 +64,7 @@ from infinity.zero.partition import Bucket, GroupLayout
 class _BucketState:
     bucket: Bucket
     expected: int  # parameters of the bucket that require grad
+    index: int  # its place in GradientReducer._states
     arrived: int = 0
     buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device; padding always zero
     written: set[int] = field(default_factory=set)  # slot offsets holding a gradient since the last reduction
@@ -82,6 +92,9 @@ class GradientReducer:
     _pending: list[_InFlight] = field(default_factory=list)  # launched, not finished, oldest first
     _launched: int = 0  # reductions launched in this backward
     _open: bool = False  # a backward's reductions are not all launched yet
+    _fixed_order: list[int] = field(default_factory=list)  # reverse layout order, the same on every rank
+    _completed: list[int] = field(default_factory=list)  # stage 2: buckets in the order this backward completed them
+    _learned: list[int] | None = None  # stage 2: the last backward's completion order ([Note: learned order])
     _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # stage 2: reusable buffers by size
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
@@ -109,9 +122,10 @@ class GradientReducer:
         for layout in self.layouts:
             for bucket in layout.buckets:
                 count = len(bucket.slots) if self.expected is None else self.expected[len(self._states)]
-                self._states.append(_BucketState(bucket=bucket, expected=count))
+                self._states.append(_BucketState(bucket=bucket, expected=count, index=len(self._states)))
         # Buckets whose parameters are all frozen never get a gradient: no collective for them.
         self._order = [i for i in reversed(range(len(self._states))) if self._states[i].expected > 0]
+        self._fixed_order = list(self._order)
 
     def state_index(self, group: int, bucket: int) -> int:
         return sum(len(layout.buckets) for layout in self.layouts[:group]) + bucket
@@ -127,6 +141,9 @@ class GradientReducer:
             state.arrived = 0
         if self.launch_order is not None:
             self._order = [i for i in self.launch_order() if self._states[i].expected > 0]
+        elif self.stage == 2:
+            self._order = self._agreed(self._learned) if self._learned is not None else list(self._fixed_order)
+        self._completed = []
 
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
         """Called from the parameter's post-accumulate-grad hook."""
@@ -154,6 +171,8 @@ class GradientReducer:
 
     def _arrived(self, state: _BucketState) -> None:
         state.arrived += 1
+        if state.arrived == state.expected:
+            self._completed.append(state.index)
         if state.arrived == state.expected and (self.overlap_comm or self.stage >= 2):
             self._launch_ready_prefix(complete_only=True)
             self._reap_finished()
@@ -174,6 +193,20 @@ class GradientReducer:
         for flight in self._pending:
             flight.pending.wait()
         self._pending.clear()
+        if self.stage == 2:
+            done = set(self._completed)
+            self._learned = self._completed + [i for i in self._fixed_order if i not in done]
+
+    def _agreed(self, learned: list[int]) -> list[int]:
+        """The learned order where every rank learned the same one, else the fixed order (a collective: every rank
+        calls it before each backward at stage 2)."""
+        if not self.comm.active:
+            return list(learned)
+        mine = torch.tensor(learned, dtype=torch.int64, device=self.device)
+        every = torch.empty(mine.numel() * self.comm.world_size, dtype=torch.int64, device=self.device)
+        collectives.all_gather_pieces(self.comm, every, mine, async_op=False).wait()
+        agreed = bool((every.view(self.comm.world_size, -1) == mine).all())
+        return list(learned) if agreed else list(self._fixed_order)
 
     def take_peaks(self) -> tuple[int, int]:
         """(buffers, elements) of bucket buffers held at most since the last call."""

@@ -41,8 +41,9 @@ logger = logging.getLogger("infinity")
 # release) and questions about the tensor's metadata, which a released parameter answers as DeepSpeed's does (numel()
 # 0, as its shape (0,); ds_numel and ds_shape hold the whole parameter's). Counting parameters inside a forward must
 # not gather the whole model.
-_PASS_THROUGH = frozenset({"__get__", "__set__", "numel", "nelement", "size", "dim", "ndimension", "element_size",
-                           "is_floating_point", "is_complex", "get_device", "is_contiguous", "stride"})  # fmt: skip
+_PASS_THROUGH = frozenset({"__get__", "__set__", "__len__", "numel", "nelement", "size", "dim", "ndimension",
+                           "element_size", "is_floating_point", "is_complex", "get_device", "is_contiguous", "stride",
+                           "storage_offset", "data_ptr", "untyped_storage", "is_pinned", "type", "requires_grad_"})
 
 
 class _FetchOnUse(TorchFunctionMode):

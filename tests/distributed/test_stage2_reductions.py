@@ -7,6 +7,8 @@ buffers held at once stay a few buckets, not the model."""
 
 from __future__ import annotations
 
+import torch
+
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import engine_config, pieces_error, train_engine, train_reference
 
@@ -53,3 +55,94 @@ def test_stage2_reduces_bucket_by_bucket_without_overlap_comm(tmp_path):
                 f"once, {allowed} allowed, the whole model's {sum(sizes)}"
             )
         assert pieces_error([r[overlap]["pieces"] for r in per_rank], ref_params) <= RTOL
+
+
+# ---- the launch order learned from backward ([Note: learned order] in zero/reducer.py) ----
+WIDTH, LAYERS, GROUPS_STEPS = 32, 16, 3
+
+
+class Reversed(torch.nn.Module):
+    """Linear layers registered in the reverse of the order they run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    """A Trainer's param groups: weights with decay, biases without."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}]  # fmt: skip
+
+
+def _groups_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(50 + step)
+    return torch.randn(4, WIDTH, generator=gen), torch.randn(4, WIDTH, generator=gen)
+
+
+def _groups_reference() -> dict[str, torch.Tensor]:
+    model = Reversed()
+    optimizer = torch.optim.AdamW(_groups(model), lr=LR, fused=True)
+    for step in range(GROUPS_STEPS):
+        inputs, target = _groups_batch(step)
+        halves = [torch.nn.functional.mse_loss(model(inputs[r * 2 : r * 2 + 2]), target[r * 2 : r * 2 + 2])
+                  for r in range(2)]  # fmt: skip
+        grads = [torch.autograd.grad(h, list(model.parameters())) for h in halves]
+        for param, first, second in zip(model.parameters(), *grads, strict=True):
+            param.grad = (first + second) / 2
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _groups_worker(*, rank: int, world_size: int) -> dict:
+    import infinity
+
+    results = {}
+    for overlap in (False, True):
+        model = Reversed()
+        config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+            "stage": 2, "overlap_comm": overlap, "reduce_bucket_size": WIDTH * WIDTH + WIDTH}}  # fmt: skip
+        optimizer = torch.optim.AdamW(_groups(model), lr=LR)
+        engine, *_ = infinity.initialize(model=model, optimizer=optimizer, config=config)
+        peaks = []
+        for step in range(GROUPS_STEPS):
+            inputs, target = _groups_batch(step)
+            reducer = engine.zero_optimizer.reducer
+            reducer.peak_buffer_bytes = reducer._in_use_bytes
+            mine = slice(rank * 2, rank * 2 + 2)
+            engine.backward(torch.nn.functional.mse_loss(engine(inputs[mine]), target[mine]))
+            engine.step()
+            peaks.append(reducer.peak_buffer_bytes)
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        sizes = [s.bucket.padded_numel * 4 for s in engine.zero_optimizer.reducer._states]
+        results[overlap] = {"peaks": peaks, "params": params, "total": sum(sizes), "smallest": min(sizes)}
+        engine.destroy()
+    return results
+
+
+def test_stage2_learns_the_order_backward_completes_buckets_in(tmp_path):
+    """Param groups by kind (all weights, then all biases: a Trainer's) and layers registered in reverse: the
+    fixed order (the groups' layout, reversed) makes every bucket filled early wait for the biases', which
+    completes last; from the second backward on the buckets launch in the order the first completed them, so a
+    few are held at once instead of the whole model's gradient. Parameters equal plain PyTorch's."""
+    per_rank = run_distributed(_groups_worker, 2, tmp_path, timeout_s=180)
+    want = _groups_reference()
+    for rank, results in enumerate(per_rank):
+        for overlap, got in results.items():
+            for name, value in want.items():
+                error = float((got["params"][name] - value).abs().max() / value.abs().max())
+                assert error <= RTOL, f"overlap_comm {overlap}, rank {rank}, {name}: {error:.1e} from PyTorch"
+            # a weight's bucket filling, two in flight (overlap_comm) or reduced, and the biases' bucket, which
+            # fills from the first layer backward reaches to the last
+            allowed = 3 * WIDTH * WIDTH * 4 + got["smallest"]
+            assert got["peaks"][0] > got["total"] // 2, ("the first backward should show the fixed order's cost", got)
+            assert max(got["peaks"][1:]) <= allowed, (f"overlap_comm {overlap}, rank {rank}: buckets held at once "
+                                                      f"{got['peaks']}, {allowed} allowed, the model's {got['total']}")

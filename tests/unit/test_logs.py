@@ -113,3 +113,18 @@ def test_zero_init_says_the_pieces_keep_the_models_dtype_under_a_16_bit_config(c
         err = capsys.readouterr().err
     assert err.count("pass dtype=torch.bfloat16 to build them in 16 bits") == 1, err
     assert layer.weight.dtype is torch.float32
+
+
+def test_gathered_parameters_says_fwd_module_has_no_effect(capsys):
+    from torch import nn
+
+    import infinity.zero
+    from infinity import config_keys
+
+    config_keys._SAID.discard("GatheredParameters(fwd_module=)")
+    layer = nn.Linear(2, 2)
+    with bare_logging():
+        with infinity.zero.GatheredParameters(list(layer.parameters()), fwd_module=layer):
+            pass
+        err = capsys.readouterr().err
+    assert "GatheredParameters(fwd_module=) has no effect in infinity" in err, err
