@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from offload_step import LR, MICRO, SEQ, Fsdp2  # noqa: E402  (a sibling benchma
 from offload_step import engine_config as offload_step_config  # noqa: E402
 
 ZERO_MODES = {"stage2": "stage2", "stage3": "stage3", "stage3-cpu": "stage3-cpu", "stage3-nvme": "stage3-nvme"}
+SWAP_BYTES_PER_RANK = 4 << 30  # GPT-2 small with everything on NVMe: ~2.5 GB per rank (either engine), and room
 MODES = ["pytorch-ddp", "fsdp2", "fsdp2-cpu-offload", *(f"deepspeed-{m}" for m in ZERO_MODES),
          *(f"infinity-{m}" for m in ZERO_MODES)]  # fmt: skip
 
@@ -242,6 +244,8 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     sizes = list(report["world_sizes"])
+    if not sizes:
+        return  # nothing ran: the summary says why
     fig, axes = plt.subplots(len(sizes), 2, figsize=(13, 3.6 * len(sizes)), squeeze=False)
     for row, world_size in enumerate(sizes):
         modes = report["world_sizes"][world_size]
@@ -294,6 +298,12 @@ def main() -> int:
     made = args.nvme_path is None
     if made:
         args.nvme_path = tempfile.mkdtemp(prefix="peers-bench-", dir=os.getcwd())
+    disk = shutil.disk_usage(args.nvme_path)
+    need = SWAP_BYTES_PER_RANK * max(args.world_sizes)  # the nvme modes' swap files, one mode at a time
+    if disk.free - need < disk.total // 10:
+        print(f"train_vs_peers: {args.nvme_path} has {disk.free / 2**30:.1f} GiB free; the nvme modes need "
+              f"{need / 2**30:.1f} GiB and 10% of the disk stays free: pick another --nvme-path", file=sys.stderr)
+        return 2
     not_run: dict[str, str] = {}
     modes = list(args.modes)
     if any(m.startswith("deepspeed-") for m in modes) and not deepspeed_available():
