@@ -4,6 +4,7 @@ every rank, the rank's pieces stepped and gathered back bucket by bucket (tile b
 from __future__ import annotations
 
 import functools
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -108,6 +109,21 @@ class ZeroOptimizer(PartitionedOptimizer):
             if param.is_floating_point():
                 param.data = param.data.to(device=device, dtype=compute_dtype)
         self._track_frozen(frozen)
+
+    def _predicted_order(self, uses: dict[int, int] | None) -> list[int] | None:
+        """Stage 2's buckets by when backward completes them: a bucket is complete once its last parameter is
+        (the smallest sequence number of the nodes feeding its parameters; one without any is complete at once),
+        soonest first, ties in the fixed order ([Note: learned order] in reducer.py)."""
+        if self.stage != 2 or uses is None:
+            return None
+        done: dict[int, float] = {}
+        for g, (params, layout) in enumerate(zip(self.groups, self.layouts, strict=True)):
+            for bucket in layout.buckets:
+                numbers = [uses[id(params[slot.param_index])] for slot in bucket.slots
+                           if id(params[slot.param_index]) in uses]  # fmt: skip
+                done[self.reducer.state_index(g, bucket.index)] = min(numbers, default=math.inf)
+        fixed = self.reducer.fixed_order
+        return sorted(fixed, key=lambda index: (-done[index], fixed.index(index)))
 
     # ---- construction ----
     def _flatten_group(self, params: list[nn.Parameter], layout: GroupLayout) -> None:

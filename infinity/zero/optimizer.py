@@ -27,7 +27,7 @@ from infinity.zero.gradient_shards import GradientShards, gradient_device
 from infinity.zero.grads import piece_squares
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.tiles import TiledStep, cut, rule_for
-from infinity.zero.unused import reachable_leaves
+from infinity.zero.unused import last_uses
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +93,18 @@ class PartitionedOptimizer:
     def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
         """Before ``loss.backward()``: parameters that will get no gradient count as done at once
         ([Note: unused parameters] in unused.py). ``loss_scale``: what the loss was multiplied by (fp16)."""
-        self.reducer.begin_backward(boundary=boundary)
-        reached = reachable_leaves(loss)
-        if reached is None:
+        uses = last_uses(loss)
+        self.reducer.begin_backward(boundary=boundary, predicted=self._predicted_order(uses))
+        if uses is None:
             return
         for key, mark in self._no_grad_marks.items():
-            if key not in reached:
+            if key not in uses:
                 mark()
+
+    def _predicted_order(self, uses: dict[int, int] | None) -> list[int] | None:
+        """The order backward will complete the gradient buckets in, read from the graph (stages 0-2: stage 3
+        agrees on its own, [Note: launch order]); None where the graph cannot tell."""
+        return None
 
     def _track_frozen(self, params: list[nn.Parameter], on_grad: Callable[[], None] | None = None) -> None:
         """Parameters the optimizer does not update but autograd may give a gradient (trainable, yet not passed

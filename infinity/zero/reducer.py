@@ -23,9 +23,12 @@ launches what is left (buckets with unused parameters contribute zeros) and wait
 Stage 2's fixed order is a guess: where the optimizer's param groups (a Trainer's decay and no-decay groups) or
 the modules' registration order differ from the order backward completes the buckets, a bucket filled early waits
 for every bucket before it, and the waiting ones add up to the whole model's gradient. So each backward records
-the order it completed its buckets in, and the next backward launches in that order when every rank recorded the
-same one (one small all-gather before each backward); ranks that differ (their branches took other parameters)
-keep the fixed order, which only costs memory, never the result.
+the order it completed its buckets in, and the next backward launches in one order merged from every rank's (one
+small all-gather before each backward): each bucket at the latest place any rank completed it, so ranks whose
+branches took other parameters still launch alike. The first backward has nothing learned yet: it takes the
+order the autograd graph predicts (a bucket is complete once the node with the smallest sequence number feeding
+its parameters has run: unused.py's last_uses), or the fixed one where the graph hides its leaves (a reentrant
+checkpoint). An order that is off only costs memory, never the result.
 
 [Note: launch order]
 Stage 3 launches in execution order, and inside backward with or without overlap_comm: a unit's fp32 bucket is
@@ -54,10 +57,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinity.errors import InfinityError
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
 from infinity.zero.gradient_shards import GradientShards
 from infinity.zero.partition import Bucket, GroupLayout
+
+MAX_SPARES = 3  # stage 2: reduced buffers kept for reuse (as many as may be in flight, and one filling)
 
 
 @dataclass(slots=True)
@@ -66,6 +72,8 @@ class _BucketState:
     expected: int  # parameters of the bucket that require grad
     index: int  # its place in GradientReducer._states
     arrived: int = 0
+    arrived_slots: set[int] = field(default_factory=set)  # slot offsets whose gradient arrived this backward
+    launched: bool = False  # its reduction was launched this backward
     buffer: torch.Tensor | None = None  # (padded_numel,) fp32, on the compute device; padding always zero
     written: set[int] = field(default_factory=set)  # slot offsets holding a gradient since the last reduction
 
@@ -96,6 +104,8 @@ class GradientReducer:
     _completed: list[int] = field(default_factory=list)  # stage 2: buckets in the order this backward completed them
     _learned: list[int] | None = None  # stage 2: the last backward's completion order ([Note: learned order])
     _spare: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # stage 2: reusable buffers by size
+    _spare_count: int = 0
+    _spare_bytes: int = 0
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
     keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
@@ -111,7 +121,7 @@ class GradientReducer:
     in_flight_numel: int | None = None  # most elements being reduced at once (one bucket always goes); None: any
     before_launch: Callable[[int], None] | None = None  # stage 3: called with k before this backward's k-th launch
     # inside the pass ([Note: one collective order] in rendezvous.py)
-    peak_buffer_bytes: int = 0  # most bytes of bucket buffers in use at once (reset by the caller)
+    peak_buffer_bytes: int = 0  # most bytes of bucket buffers held at once, spares too (reset by the caller)
     peak_waiting_bytes: int = 0  # ... of those filled and waiting for their turn to be reduced (stages 2, 3)
     _waiting_bytes: int = 0
     _in_use_bytes: int = 0  # buffers acquired and not yet returned (stages 0/1 keep theirs)
@@ -131,23 +141,40 @@ class GradientReducer:
         return sum(len(layout.buckets) for layout in self.layouts[:group]) + bucket
 
     # ---- called by the engine around each backward ----
-    def begin_backward(self, *, boundary: bool) -> None:
-        """Stage 2 reduces every micro-step; stages 0/1 only at the accumulation boundary."""
+    @property
+    def fixed_order(self) -> list[int]:
+        return list(self._fixed_order)
+
+    def begin_backward(self, *, boundary: bool, predicted: list[int] | None = None) -> None:
+        """Stage 2 reduces every micro-step; stages 0/1 only at the accumulation boundary. ``predicted``: the
+        order the graph says this backward completes the buckets in, for stage 2 before it has learned one."""
         self.reduce_this_backward = self.stage >= 2 or boundary
         self._open = self.reduce_this_backward
         self._next = 0
         self._launched = 0
         for state in self._states:
             state.arrived = 0
+            state.arrived_slots.clear()
+            state.launched = False
         if self.launch_order is not None:
             self._order = [i for i in self.launch_order() if self._states[i].expected > 0]
-        elif self.stage == 2:
-            self._order = self._agreed(self._learned) if self._learned is not None else list(self._fixed_order)
+        elif self.stage == 2:  # every rank calls _agreed (a collective), whatever it brings
+            self._order = self._agreed(self._learned or predicted or self._fixed_order)
         self._completed = []
 
     def on_grad(self, state_index: int, offset: int, grad: torch.Tensor) -> None:
-        """Called from the parameter's post-accumulate-grad hook."""
+        """Called from the parameter's post-accumulate-grad hook (once per backward, unless reentrant activation
+        checkpointing runs the parameter's uses in backward passes of their own: a second gradient is added to the
+        first while its bucket waits, and an error once the bucket has been reduced, as DeepSpeed's)."""
         state = self._states[state_index]
+        again = self.reduce_this_backward and offset in state.arrived_slots
+        if again and state.launched:
+            raise InfinityError(
+                f"a parameter of gradient bucket {state.index} got a second gradient in one backward after its bucket "
+                "was reduced: reentrant activation checkpointing runs a parameter used in two checkpointed segments "
+                "in two backward passes; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (Hugging "
+                "Face: gradient_checkpointing_kwargs={'use_reentrant': False})"
+            )
         if state.buffer is None:
             state.buffer = self._acquire(state.bucket)
             if self.stage >= 2:  # filled now, reduced when its turn in the launch order comes
@@ -159,8 +186,9 @@ class GradientReducer:
         else:  # first gradient for this slot since the last reduction: no need to zero first
             target.copy_(grad.reshape(-1))
             state.written.add(offset)
-        if not self.reduce_this_backward:
+        if not self.reduce_this_backward or again:
             return
+        state.arrived_slots.add(offset)
         self._arrived(state)
 
     def on_no_grad(self, state_index: int) -> None:
@@ -198,15 +226,21 @@ class GradientReducer:
             self._learned = self._completed + [i for i in self._fixed_order if i not in done]
 
     def _agreed(self, learned: list[int]) -> list[int]:
-        """The learned order where every rank learned the same one, else the fixed order (a collective: every rank
-        calls it before each backward at stage 2)."""
+        """One order from every rank's learned one (a collective: every rank calls it before each backward at
+        stage 2): each bucket at the latest place any rank completed it, ties in the fixed order. Where the ranks
+        agree that is their order; where they differ (a branch one rank took), every rank computes the same merge
+        from the same rows."""
         if not self.comm.active:
             return list(learned)
         mine = torch.tensor(learned, dtype=torch.int64, device=self.device)
         every = torch.empty(mine.numel() * self.comm.world_size, dtype=torch.int64, device=self.device)
         collectives.all_gather_pieces(self.comm, every, mine, async_op=False).wait()
-        agreed = bool((every.view(self.comm.world_size, -1) == mine).all())
-        return list(learned) if agreed else list(self._fixed_order)
+        latest: dict[int, int] = {}
+        for row in every.view(self.comm.world_size, -1).tolist():
+            for position, index in enumerate(row):
+                latest[index] = max(latest.get(index, -1), position)
+        fixed = {index: k for k, index in enumerate(self._fixed_order)}
+        return sorted(latest, key=lambda index: (latest[index], fixed[index]))
 
     def take_peaks(self) -> tuple[int, int]:
         """(buffers, elements) of bucket buffers held at most since the last call."""
@@ -241,6 +275,7 @@ class GradientReducer:
         waits_here = in_backward and self.wait_in_backward is not None
         async_op = self.overlap_comm or waits_here
         bucket = state.bucket
+        state.launched = True
         if state.buffer is None:
             state.buffer = self._acquire(bucket)
         elif self.stage >= 2:
@@ -262,8 +297,7 @@ class GradientReducer:
                     self.gradients.write(bucket.group, bucket.shard_offset, piece)
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 self._in_use_count -= 1
-                if self.keep_spares:
-                    self._spare.setdefault(buffer.numel(), []).append(buffer)
+                self._keep_spare(buffer)
 
         else:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)
@@ -304,14 +338,33 @@ class GradientReducer:
         count, elements = self._step_peak
         self._step_peak = (max(count, self._in_use_count), max(elements, self._in_use_bytes // 4))
         spares = self._spare.get(numel)
-        buffer = spares.pop() if spares else torch.empty(numel, dtype=torch.float32, device=self.device)
+        if spares:
+            buffer = spares.pop()
+            self._spare_count -= 1
+            self._spare_bytes -= numel * 4  # in use from here on
+        else:
+            buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes + self._spare_bytes)
         buffer[bucket.numel :].zero_()
         return buffer
+
+    def _keep_spare(self, buffer: torch.Tensor) -> None:
+        """A reduced bucket's buffer, kept for the next bucket of its size (stage 2 reuses them within a window
+        rather than handing the memory back and faulting it in again), at most MAX_SPARES of them: buckets of
+        many sizes must not keep one buffer each, the whole model's gradient."""
+        if not self.keep_spares or self._spare_count >= MAX_SPARES:
+            return
+        self._spare.setdefault(buffer.numel(), []).append(buffer)
+        self._spare_count += 1
+        self._spare_bytes += buffer.numel() * 4
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes + self._spare_bytes)
 
     def drop_spares(self) -> None:
         """After the step: spare buffers go back (stage 2 keeps them across the micro-steps of a window only;
         between windows the forward's activations need the room)."""
         self._spare.clear()
+        self._spare_count = 0
+        self._spare_bytes = 0
 
     def buffer_bytes(self) -> int:
         """Bytes of gradient buffers currently held (stage 0/1: full; stage 2: none between micro-steps)."""

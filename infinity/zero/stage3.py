@@ -46,6 +46,15 @@ _PASS_THROUGH = frozenset({"__get__", "__set__", "__len__", "numel", "nelement",
                            "storage_offset", "data_ptr", "untyped_storage", "is_pinned", "type", "requires_grad_"})
 
 
+# Attributes that compute from the values (a view of them): reading one is a use, as a call is.
+_VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+def _attribute(func) -> str | None:
+    """The attribute a descriptor's ``__get__`` reads (``Tensor.T.__get__`` -> "T")."""
+    return getattr(getattr(func, "__self__", None), "__name__", None)
+
+
 class _FetchOnUse(TorchFunctionMode):
     """Active during forward: a torch call given a released parameter (one the running module does not own and
     so did not fetch) fetches its unit first and remembers it as a use of that module. Tensor attribute reads
@@ -60,7 +69,8 @@ class _FetchOnUse(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _PASS_THROUGH:
+        name = getattr(func, "__name__", "")
+        if name in _PASS_THROUGH and not (name == "__get__" and _attribute(func) in _VALUE_ATTRIBUTES):
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             if isinstance(value, list | tuple | dict):  # parameters inside containers, at any depth

@@ -22,21 +22,33 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 def reachable_leaves(loss: torch.Tensor) -> set[int] | None:
     """ids of the leaf tensors that will receive a gradient from ``loss.backward()``; None when that cannot be
     known from the graph (a reentrant checkpoint)."""
+    uses = last_uses(loss)
+    return None if uses is None else set(uses)
+
+
+def last_uses(loss: torch.Tensor) -> dict[int, int] | None:
+    """Per leaf that will receive a gradient (by id), the smallest sequence number of the nodes that pass it one:
+    backward runs nodes from the highest sequence number down (the reverse of forward), so the leaf's gradient is
+    complete once that node has run; a higher number means sooner in backward. None where the graph hides its
+    leaves (a reentrant checkpoint)."""
     root = loss.grad_fn
     if root is None:
-        return set()
-    leaves: set[int] = set()
+        return {}
+    uses: dict[int, int] = {}
     seen = {root}
     stack = [root]
     while stack:
         node = stack.pop()
         if type(node).__name__ == _REENTRANT_CHECKPOINT:
             return None
-        variable = getattr(node, "variable", None)  # AccumulateGrad holds its leaf
-        if variable is not None:
-            leaves.add(id(variable))
         for following, _ in node.next_functions:
-            if following is not None and following not in seen:
+            if following is None:
+                continue
+            variable = getattr(following, "variable", None)  # AccumulateGrad holds its leaf
+            if variable is not None:
+                number = node._sequence_nr()
+                uses[id(variable)] = min(uses.get(id(variable), number), number)
+            if following not in seen:
                 seen.add(following)
                 stack.append(following)
-    return leaves
+    return uses

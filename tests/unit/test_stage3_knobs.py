@@ -101,7 +101,7 @@ class CountsItsParameters(nn.Module):
         for p in self.parameters():  # more questions DeepSpeed's released parameters answer without a gather
             len(p) if p.dim() else None, p.data_ptr(), p.type(), p.is_pinned(), p.storage_offset()
             p.untyped_storage(), p.requires_grad_(p.requires_grad)
-        scale = self.body[0].weight.mean()  # a real use of a unit the root does not own
+        scale = self.body[0].weight.T.mean()  # a real use (through .T) of a unit the root does not own
         return self.body(x) * scale
 
 
