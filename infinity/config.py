@@ -26,6 +26,7 @@ from infinity.config_keys import (
     ZERO_REFUSED,
     is_stage3_knob,
     one_name_each,
+    say_no_effect,
     set_aside,
     stage3_name,
 )
@@ -123,9 +124,9 @@ _AIO_KEYS = {
 
 def parse_aio(raw: Mapping[str, Any] | None) -> AioSettings:
     """The ``aio`` section (DeepSpeed names and defaults) -> AioSettings."""
-    raw = dict(raw or {})
-    if not isinstance(raw, dict):
+    if raw is not None and not isinstance(raw, Mapping):
         raise ConfigError(f"aio must be an object, got {raw!r}")
+    raw = dict(raw or {})
     check_keys("aio", raw, _AIO_KEYS)
     if "thread_count" in raw:
         warn_legacy("aio.thread_count", "aio.intra_op_parallelism")
@@ -404,12 +405,15 @@ def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
     raw = dict(raw or {})
     known = {*_fields(ZeroConfig), *ZERO_FIELD_NAMES, *ZERO_NO_EFFECT, *ZERO_REFUSED, *_ZERO_LEGACY}
     check_keys("zero_optimization", raw, known)  # before any key is set aside: a typo's hint may be one of those
+    one_name_each("zero_optimization", raw)  # both names of a key agree, also of one set aside (it names the user's)
     set_aside("zero_optimization", raw, ZERO_NO_EFFECT, ZERO_REFUSED)
     raw = one_name_each("zero_optimization", raw)
     _legacy_zero(raw)
     stage = as_int("zero_optimization.stage", raw.get("stage", 0), minimum=0)
     if stage > 3:
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    param_keys = set(raw["offload_param"]) if isinstance(raw.get("offload_param"), Mapping) else set()
+    given = set(raw)
     raw.setdefault("overlap_comm", stage == 3)
     offload_optimizer = _offload(
         OffloadOptimizerConfig, "zero_optimization.offload_optimizer", raw.pop("offload_optimizer", None),
@@ -428,7 +432,29 @@ def _parse_zero(raw: Mapping[str, Any] | None) -> ZeroConfig:
     for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size"):
         if getattr(zero, key) < 1:
             raise ConfigError(f"zero_optimization.{key} must be >= 1, got {getattr(zero, key)}")
+    _say_idle_keys(zero, given, param_keys)
     return zero
+
+
+_NVME_PARAM_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu")
+
+
+def _say_idle_keys(zero: ZeroConfig, given: set[str], param_keys: set[str]) -> None:
+    """Keys the user gave that act only at another stage or offload device: one line each, not a silent drop
+    (DeepSpeed drops them silently)."""
+    for key in sorted(given):
+        if zero.stage < 3 and is_stage3_knob(key):
+            say_no_effect(f"zero_optimization.{key}", f"a stage-3 knob, and the stage is {zero.stage}")
+    if zero.stage == 3 and "allgather_bucket_size" in given:
+        say_no_effect("zero_optimization.allgather_bucket_size",
+                      "stages 1-2 only (stage 3 gathers unit by unit: stage3_prefetch_bucket_size)")  # fmt: skip
+    if zero.stage < 3 and "sub_group_size" in given and zero.offload_optimizer.device != "nvme":
+        say_no_effect("zero_optimization.sub_group_size",
+                      "at stages 0-2 it sizes NVMe tiles, and offload_optimizer.device is not nvme")  # fmt: skip
+    if zero.offload_param.device != "nvme":
+        for key in sorted(param_keys & set(_NVME_PARAM_KEYS)):
+            say_no_effect(f"zero_optimization.offload_param.{key}",
+                          f"nvme only, and offload_param.device is {zero.offload_param.device}")  # fmt: skip
 
 
 def resolve_batch_sizes(

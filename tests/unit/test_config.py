@@ -370,6 +370,39 @@ def test_keys_without_effect_are_said_once_each(infinity_info_lines):
         parse_config(config(zero_optimization={"round_robin_gradients": "yes"}))
 
 
+def test_keys_for_another_stage_or_device_are_said(infinity_info_lines):
+    """A stage-3 knob at stage 2, an nvme-only offload_param key with device cpu: one line each, not dropped."""
+    parse_config(config(zero_optimization={"stage": 2, "max_live_parameters": 10, "stage3_prefetch_bucket_size": 0,
+                                           "sub_group_size": 5}))
+    parse_config(config(zero_optimization={"stage": 3, "allgather_bucket_size": 7,
+                                           "offload_param": {"device": "cpu", "max_in_cpu": 5, "buffer_count": 4}}))
+    said = sorted(line.split()[2] for line in infinity_info_lines if "has no effect in infinity" in line)
+    assert said == [
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.sub_group_size",
+    ], said
+    infinity_info_lines.clear()
+    parse_config(config(zero_optimization={"stage": 3, "max_live_parameters": 10, "sub_group_size": 5,
+                                           "offload_param": {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 5}}))
+    assert not [line for line in infinity_info_lines if "has no effect" in line], infinity_info_lines
+
+
+def test_both_names_of_a_key_without_effect_must_agree():
+    with pytest.raises(ConfigError, match="use_all_reduce_for_fetch_params .* disagree"):
+        parse_config(config(zero_optimization={"stage": 3, "use_all_reduce_for_fetch_params": True,
+                                               "stage3_use_all_reduce_for_fetch_params": False}))
+
+
+@pytest.mark.parametrize("aio", [[1], "x", 3])
+def test_an_aio_section_that_is_not_an_object_is_named(aio):
+    with pytest.raises(ConfigError, match="aio must be an object"):
+        parse_config(config(aio=aio))
+
+
 def test_legacy_keys_given_with_their_replacement_are_an_error():
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="cpu_offload .deprecated. and "
                                                                             "zero_optimization.offload_optimizer"):
