@@ -229,7 +229,9 @@ class TierManager:
     # ---- moving ----
     def acquire(self, name: str, *, block: bool = True, read: bool = True) -> SegmentHandle | None:
         """A handle on segment ``name``. NVMe: a ring buffer and (``read``) a read into it; without ``block``,
-        None when no buffer is free right now."""
+        None when no buffer is free right now; acquiring one already held is an error (a second buffer: one of
+        the two's writes would be lost). A home segment (host or device) is its home tensor, which every handle
+        on it views, so holding it twice is one buffer and allowed."""
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
