@@ -38,6 +38,7 @@ from infinity.memory.plan import (
     place_parameters,
     swap_need,
 )
+from infinity.memory.pool import gathered_units_numel
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
 
@@ -244,9 +245,10 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("model states", "persistent parameters (whole on every rank)", Where.DEVICE,
                             persistent * width))  # fmt: skip
         largest_unit = max((u for u, _ in units), default=0)
-        live = min(sum(u for u, _ in units), max(zero.stage3_max_live_parameters, largest_unit))
-        rows.append(Row("buffers", "gathered units (stage3_max_live_parameters, or the whole model)", Where.DEVICE,
-                        live * width))  # fmt: skip
+        live = gathered_units_numel(total=sum(u for u, _ in units), largest=largest_unit,
+                                    max_live=zero.stage3_max_live_parameters)  # fmt: skip
+        rows.append(Row("buffers", "gathered units (stage3_max_live_parameters and one kept, or the whole model)",
+                        Where.DEVICE, live * width))  # fmt: skip
     else:
         rows.append(Row("model states", "parameters (whole on every rank)", Where.DEVICE, numel * width))
 

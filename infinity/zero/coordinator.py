@@ -64,6 +64,7 @@ class FetchStats:
     reduce_waits: int = 0  # times backward waited for a reduction (overlap_comm off, or reduce_bucket_size full)
     reduce_blocked_s: float = 0.0  # time spent in those waits and in agreeing on the launch order
     passes: int = 0
+    gather_buffers_made: int = 0  # host buffers allocated for gathered units (0 once reused: memory/pool.py)
 
     @property
     def prefetched_fraction(self) -> float:
@@ -142,6 +143,7 @@ class Coordinator:
         self.in_pass = False
         self.stats = FetchStats()  # this pass
         self.step_stats = FetchStats()  # passes since the last take_step_stats()
+        self._pool_made = 0  # the units' pool's buffers made, at the last take_step_stats
         self.reduction_peaks: Callable[[], tuple[int, int]] | None = None  # the reducer's (buckets, numel) held
         # at most since the last call
         self.before_drain: Callable[[], None] | None = None  # the reducer launches what backward left: a rank
@@ -195,6 +197,9 @@ class Coordinator:
         stats, self.step_stats = self.step_stats, FetchStats()
         if self.reduction_peaks is not None:
             stats.peak_grad_buckets, stats.peak_grad_numel = self.reduction_peaks()
+        if self.table.units:
+            made = self.table.units[0].pool.stats.made
+            stats.gather_buffers_made, self._pool_made = made - self._pool_made, made
         return stats
 
     # ---- gradient reductions: [Note: launch order] in reducer.py ----

@@ -28,6 +28,7 @@ from torch.utils import _pytree
 
 from infinity.config import ZeroConfig
 from infinity.distributed import Distributed
+from infinity.memory.pool import gathered_units_numel
 from infinity.zero import collectives
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.reducer import GradientReducer
@@ -184,6 +185,8 @@ class Stage3:
         self.coordinator.reduction_peaks = self.coordinator.before_drain = None
         self.coordinator.close()
         self.table.shards.close()
+        if self.table.units:
+            self.table.units[0].pool.clear()
         unregister_runtime(self.table.parameters())
 
 
@@ -210,6 +213,7 @@ def setup_stage3(
         prefetch_numel=zero.stage3_prefetch_bucket_size,
         max_reuse_distance=zero.stage3_max_reuse_distance,
     )
+    _bound_pool(table, knobs)
     fetch = distributed.new_comm("ZeRO-3 fetch")
     on_gloo = not comm.active or dist.get_backend(comm.group) == "gloo"
     headers = fetch if on_gloo else distributed.new_comm("ZeRO-3 fetch header", backend="gloo")
@@ -228,6 +232,18 @@ def setup_stage3(
         )
     register_runtime(table.parameters(), stage3)  # how GatheredParameters finds it
     return stage3
+
+
+def _bound_pool(table: UnitTable, knobs: Knobs) -> None:
+    """The units' StoragePool keeps what the coordinator may hold gathered at once (the persistent unit and
+    gathered_units_numel), as the estimate counts it."""
+    if not table.units:
+        return
+    itemsize = table.units[0].full.element_size()
+    persistent = sum(u.padded_numel for u in table.units if u.persistent)
+    sizes = [u.padded_numel for u in table.units if not u.persistent]
+    live = gathered_units_numel(total=sum(sizes), largest=max(sizes, default=0), max_live=knobs.max_live_numel)
+    table.units[0].pool.budget_bytes = (persistent + live) * itemsize
 
 
 def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:

@@ -11,8 +11,9 @@ launched last, when backward has produced all of them.
 
 While a unit is gathered its parameters are views into ``Unit.full``; while released they are 0-element
 placeholders (reading one is an empty tensor, never freed memory) and the storage of ``full`` is resized to
-0 bytes. Re-gathering resizes that same storage back, so views of a parameter that autograd saved in forward
-see the gathered values again in backward (the technique of FSDP2).
+0 bytes. Re-gathering gives that same storage its bytes back, so views of a parameter that autograd saved in
+forward see the gathered values again in backward (the technique of FSDP2); on the host the bytes come from
+the table's StoragePool, already mapped ([Note: buffer reuse] in memory/pool.py).
 
 The units double as the buckets of gradient reduction: ``layout`` is one GroupLayout whose buckets are the
 units, in unit order, so GradientReducer reduce-scatters each unit's gradient into the rank's piece.
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from infinity.memory.pool import StoragePool
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
 from infinity.zero.partition import Bucket, GroupLayout, layout_from_runs
@@ -51,6 +53,7 @@ class Unit:
     bucket: Bucket
     persistent: bool
     full: torch.Tensor  # (padded_numel,) compute dtype; 0-byte storage while released
+    pool: StoragePool  # where full's bytes come from and go back to (shared by the table's units)
     state: UnitState = UnitState.RELEASED
     pending: Pending | None = None
     staged_in: tuple | None = None  # (CopyStream, event): what attach() makes the compute stream wait for
@@ -67,7 +70,9 @@ class Unit:
         """Gives ``full`` its memory back (the same storage, so saved views stay valid)."""
         storage = self.full.untyped_storage()
         nbytes = self.full.numel() * self.full.element_size()
-        if storage.nbytes() != nbytes:
+        if storage.nbytes() == 0:
+            self.pool.fill(storage, nbytes)
+        elif storage.nbytes() != nbytes:
             storage.resize_(nbytes)
         return self.full
 
@@ -84,7 +89,7 @@ class Unit:
     def release(self) -> None:
         for param in self.params:
             param.data = torch.empty(0, dtype=self.full.dtype, device=self.full.device)
-        self.full.untyped_storage().resize_(0)
+        self.pool.empty(self.full.untyped_storage())
         self.state = UnitState.RELEASED
         self.pending = None
         self.staged_in = None
@@ -226,12 +231,14 @@ def build_units(
     layout = layout_from_runs(0, numels, runs, world_size=comm.world_size)
     shards = make_shards(layout, {0} if persistent else set())
     units, param_unit = [], {}
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    pool = StoragePool(budget_bytes=sum(bucket.padded_numel for bucket in layout.buckets) * itemsize)
     for index, ((name, params), bucket) in enumerate(zip(groups, layout.buckets, strict=True)):
         full = torch.empty(bucket.padded_numel, dtype=dtype, device=device)
         full.untyped_storage().resize_(0)  # allocated while gathered only
         units.append(Unit(
             index=index, name=name, params=list(params), shapes=shapes[index], bucket=bucket,
-            persistent=name == "<persistent>", full=full,
+            persistent=name == "<persistent>", full=full, pool=pool,
         ))  # fmt: skip
         for position, param in enumerate(params):
             param_unit[id(param)] = (index, position)

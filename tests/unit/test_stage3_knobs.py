@@ -26,7 +26,7 @@ def deep_mlp() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(32, 1))
 
 
-def second_step_stats(**zero) -> dict:
+def second_step_stats(steps: int = 2, **zero) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -34,7 +34,7 @@ def second_step_stats(**zero) -> dict:
     }
     engine, *_ = infinity.initialize(model=deep_mlp(), config=config)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(2):
+    for _ in range(steps):
         engine.backward(engine(torch.randn(4, 32, generator=gen)).pow(2).mean())
         engine.step()
     stats = engine.zero_stats()
@@ -130,3 +130,14 @@ def test_a_forward_asking_sizes_gathers_nothing_and_uses_stay_within_max_live():
     # the second step: the root now fetches the unit it reads (body[0]'s) before it runs, so that one counts
     assert model.counted == [0, 32 * 32 + 32], model.counted
     assert stats["peak_live_numel"] <= 4 * UNIT, stats
+
+
+@pytest.mark.parametrize("zero", [{"stage3_max_reuse_distance": 0}, {"stage3_max_live_parameters": 2 * UNIT,
+                                                                     "stage3_prefetch_bucket_size": 0}])
+def test_regathered_units_reuse_their_host_buffers(zero):
+    """Units released and gathered again take buffers the pool kept (memory/pool.py): once the trace is
+    followed (the second step, which prefetches: more units live at once than the first) a step allocates none,
+    whatever the knobs release."""
+    stats = second_step_stats(steps=3, **zero)
+    assert stats["fetches"] == 18 and stats["already_gathered"] < 9, stats  # units were released and regathered
+    assert stats["gather_buffers_made"] == 0, stats
