@@ -27,7 +27,7 @@ from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import return_freed_memory, trim_heap
+from infinity.memory.host import fix_mmap_threshold, threshold_for, trim_heap
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
@@ -365,7 +365,6 @@ class Engine(nn.Module):
         the whole model never is), its floating buffers in the compute dtype. A model another live engine holds
         is refused first."""
         check_model_free(model)
-        return_freed_memory()  # host RSS stays flat across steps (infinity/memory/host.py)
         self.raw_config = dict(raw_config)  # as given: checkpoints record it
         self.distributed = init_distributed(collective_timeout_s(raw_config.get("collective_timeout")))
         self.comm = self.distributed.comm
@@ -376,6 +375,7 @@ class Engine(nn.Module):
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
+        fix_mmap_threshold(threshold_for(on_nvme=bool(nvme_paths(self.config.zero))))  # memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
             dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype

@@ -1,12 +1,20 @@
-"""Host memory the allocator keeps: large freed blocks go back to the kernel.
+"""Host memory the allocator keeps: glibc's mmap threshold fixed at its upper value, 32 MiB.
 
-glibc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap and unmaps it when freed, but by default
-it raises that threshold to the size of any such block freed (up to 32 MiB on 64-bit), after which blocks that
-size come from the heap, where freed memory stays in the process. A training step allocates and frees activations
-and gradient buffers of many sizes, so the heap grows: measured on GPT-2 124M with parameters and optimizer on
-NVMe (fp32, world size 1, 4 steps), peak RSS 9.4 GiB with glibc's default against 3.9 GiB with the threshold fixed
-at 1 MiB, which also stops the adjustment; the steps were no slower (median 14.9 s vs 17.3 s). So the engine
-fixes it, once, unless the user set it (the environment variable MALLOC_MMAP_THRESHOLD_).
+glibc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap and unmaps it when freed; by default
+the threshold starts at 128 KiB and rises to the size of any such block freed (up to 32 MiB on 64-bit), after
+which blocks that size come from the heap, where freed memory stays in the process for the next allocation.
+Fixing the threshold stops the adjustment, so the process behaves the same from its first step.
+
+Where it is fixed matters. A low threshold (this module fixed it at 1 MiB before) hands every freed activation,
+gradient and gathered buffer back to the kernel, which faults the next one in page by page: measured on GPT-2
+(6 blocks, fp32, stage 3, world size 1), 1.43 M minor faults and 5.7 s of system time per 11 s step, against
+0.72 M at 32 MiB (the step's optimizer part from 158 k faults to 0, backward from 825 k to 450 k); plain
+PyTorch takes 0.39 M. Blocks of 32 MiB and more still go back when freed, so the buffers the engine reuses
+(gathered units: memory/pool.py; gradient buckets: zero/reducer.py) are kept by their owners, not by malloc.
+While zero.Init builds a model the threshold is 1 MiB instead ([Note: zero.Init memory] in zero/init.py), and
+so it stays for training with anything on NVMe, where the host budget is what the user chose (``threshold_for``);
+there the engine's own large buffers are kept by their owners. The user's own setting (the environment
+variable MALLOC_MMAP_THRESHOLD_) is left alone.
 
 Blocks allocated before that (the user's model, built before initialize()) may sit in the heap: once
 initialize() has moved their values into the shards and freed them, ``trim_heap`` gives their pages back
@@ -25,8 +33,10 @@ import os
 logger = logging.getLogger("infinity")
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD_BYTES = 1 << 20
-_done = False
+REUSE_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: freed blocks stay for reuse
+RETURN_THRESHOLD_BYTES = 1 << 20  # freed blocks from 1 MiB up go back to the kernel
+BUILD_THRESHOLD_BYTES = RETURN_THRESHOLD_BYTES  # zero.Init: freed parameters go back ([Note: zero.Init memory])
+_fixed: int | None = None
 
 
 @functools.cache
@@ -46,21 +56,28 @@ def trim_heap() -> bool:
     return bool(trim is not None and trim(0))
 
 
-def return_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at 1 MiB (see the module docstring). False where it does not apply: another
-    libc, or the user chose the threshold."""
-    global _done
-    if _done or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+def threshold_for(*, on_nvme: bool) -> int:
+    """The engine's threshold: with anything on NVMe the host budget is the constraint the user chose, and it
+    holds only if freed blocks go back (heap holes left by 64-byte-aligned blocks are not reused for blocks of
+    their own size: measured, the host-budget test's peak went from 122 to 229 MiB above the runtime at 32 MiB);
+    in memory, the speed of reuse."""
+    return RETURN_THRESHOLD_BYTES if on_nvme else REUSE_THRESHOLD_BYTES
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold (see the module docstring): ``threshold_for`` the engine's steps,
+    BUILD_THRESHOLD_BYTES while zero.Init builds a model. False where it does not apply: another libc, or the
+    user chose the threshold."""
+    global _fixed
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    _done = True
+    if _fixed == nbytes:
+        return True
     mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
+    if mallopt is None or mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
         return False
-    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
-        return False
-    logger.debug(
-        "glibc M_MMAP_THRESHOLD fixed at %d bytes: freed large blocks go back to the kernel", MMAP_THRESHOLD_BYTES
-    )
+    _fixed = nbytes
+    logger.debug("glibc M_MMAP_THRESHOLD fixed at %d bytes", nbytes)
     return True
 
 

@@ -110,7 +110,8 @@ def _peaks(big: str, tiny: str) -> dict:
     import infinity.memory.host
     from infinity.integrations.hf_loading import HfInfinityConfig
 
-    infinity.memory.host.return_freed_memory()  # as zero.Init does on entry: both loads are measured alike
+    # as zero.Init does on entry: both loads are measured alike
+    infinity.memory.host.fix_mmap_threshold(infinity.memory.host.BUILD_THRESHOLD_BYTES)
     AutoModelForCausalLM.from_pretrained(tiny)  # Transformers' lazily imported code, loaded before measuring
     plain = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
     hf_config = HfInfinityConfig(_stage3())
