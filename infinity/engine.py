@@ -375,7 +375,8 @@ class Engine(nn.Module):
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
-        fix_mmap_threshold(threshold_for(on_nvme=bool(nvme_paths(self.config.zero))))  # memory/host.py
+        on_nvme = bool(nvme_paths(self.config.zero))
+        fix_mmap_threshold(threshold_for(stage=self.config.zero.stage, on_nvme=on_nvme))  # memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
             dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype

@@ -1,19 +1,17 @@
-"""Host memory the allocator keeps: glibc's mmap threshold fixed at its upper value, 32 MiB.
+"""Host memory the allocator keeps: glibc's mmap threshold fixed, at 32 MiB or 1 MiB by what the run holds.
 
 glibc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap and unmaps it when freed; by default
 the threshold starts at 128 KiB and rises to the size of any such block freed (up to 32 MiB on 64-bit), after
 which blocks that size come from the heap, where freed memory stays in the process for the next allocation.
 Fixing the threshold stops the adjustment, so the process behaves the same from its first step.
 
-Where it is fixed matters. A low threshold (this module fixed it at 1 MiB before) hands every freed activation,
-gradient and gathered buffer back to the kernel, which faults the next one in page by page: measured on GPT-2
-(6 blocks, fp32, stage 3, world size 1), 1.43 M minor faults and 5.7 s of system time per 11 s step, against
-0.72 M at 32 MiB (the step's optimizer part from 158 k faults to 0, backward from 825 k to 450 k); plain
-PyTorch takes 0.39 M. Blocks of 32 MiB and more still go back when freed, so the buffers the engine reuses
-(gathered units: memory/pool.py; gradient buckets: zero/reducer.py) are kept by their owners, not by malloc.
-While zero.Init builds a model the threshold is 1 MiB instead ([Note: zero.Init memory] in zero/init.py), and
-so it stays for training with anything on NVMe, where the host budget is what the user chose (``threshold_for``);
-there the engine's own large buffers are kept by their owners. The user's own setting (the environment
+Where it is fixed matters. A low threshold (1 MiB) hands every freed activation, gradient and buffer back to the
+kernel, which faults the next one in page by page: measured on GPT-2 (6 blocks, fp32, stage 3, world size 1),
+1.43 M minor faults and 5.7 s of system time per 11 s step, against 0.72 M at 32 MiB (the step's optimizer part
+from 158 k faults to 0, backward from 825 k to 450 k); plain PyTorch takes 0.39 M. But at stage 3 the heap
+grows instead (``threshold_for``), so only stages 0-2 in memory take 32 MiB; stage 3, anything on NVMe and
+zero.Init's build ([Note: zero.Init memory] in zero/init.py) keep 1 MiB, and the engine's own large buffers are
+reused by their owners (gathered units: memory/pool.py), not by malloc. The user's own setting (the environment
 variable MALLOC_MMAP_THRESHOLD_) is left alone.
 
 Blocks allocated before that (the user's model, built before initialize()) may sit in the heap: once
@@ -56,12 +54,15 @@ def trim_heap() -> bool:
     return bool(trim is not None and trim(0))
 
 
-def threshold_for(*, on_nvme: bool) -> int:
-    """The engine's threshold: with anything on NVMe the host budget is the constraint the user chose, and it
-    holds only if freed blocks go back (heap holes left by 64-byte-aligned blocks are not reused for blocks of
-    their own size: measured, the host-budget test's peak went from 122 to 229 MiB above the runtime at 32 MiB);
-    in memory, the speed of reuse."""
-    return RETURN_THRESHOLD_BYTES if on_nvme else REUSE_THRESHOLD_BYTES
+def threshold_for(*, stage: int, on_nvme: bool) -> int:
+    """The engine's threshold. Stages 0-2 in memory: reuse (the step's buffers and activations stay mapped).
+    Stage 3, and anything on NVMe: freed blocks go back, because glibc's heap does not reuse the holes that
+    64-byte-aligned blocks leave for blocks of their own size, so the heap grows instead: measured, the
+    host-budget test's peak went from 122 to 229 MiB above the runtime at 32 MiB, and GPT-2 (6 blocks, fp32,
+    world size 1) at stage 3 from 2.91 to 5.90 GiB peak RSS (stage 3 + cpu offload 3.21 -> 7.11 GiB) for a step
+    5% faster (10.94 -> 10.35 s) or none (10.97 -> 11.19 s). Stage 3's own large buffers are reused by their
+    owners instead (memory/pool.py)."""
+    return REUSE_THRESHOLD_BYTES if stage < 3 and not on_nvme else RETURN_THRESHOLD_BYTES
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
