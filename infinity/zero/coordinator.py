@@ -197,9 +197,8 @@ class Coordinator:
         stats, self.step_stats = self.step_stats, FetchStats()
         if self.reduction_peaks is not None:
             stats.peak_grad_buckets, stats.peak_grad_numel = self.reduction_peaks()
-        if self.table.units:
-            made = self.table.units[0].pool.stats.made
-            stats.gather_buffers_made, self._pool_made = made - self._pool_made, made
+        made = self.table.pool.stats.made
+        stats.gather_buffers_made, self._pool_made = made - self._pool_made, made
         return stats
 
     # ---- gradient reductions: [Note: launch order] in reducer.py ----

@@ -185,8 +185,7 @@ class Stage3:
         self.coordinator.reduction_peaks = self.coordinator.before_drain = None
         self.coordinator.close()
         self.table.shards.close()
-        if self.table.units:
-            self.table.units[0].pool.clear()
+        self.table.pool.clear()
         unregister_runtime(self.table.parameters())
 
 
@@ -243,7 +242,7 @@ def _bound_pool(table: UnitTable, knobs: Knobs) -> None:
     persistent = sum(u.padded_numel for u in table.units if u.persistent)
     sizes = [u.padded_numel for u in table.units if not u.persistent]
     live = gathered_units_numel(total=sum(sizes), largest=max(sizes, default=0), max_live=knobs.max_live_numel)
-    table.units[0].pool.budget_bytes = (persistent + live) * itemsize
+    table.pool.budget_bytes = (persistent + live) * itemsize
 
 
 def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:

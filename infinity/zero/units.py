@@ -142,6 +142,7 @@ class UnitTable:
     # out_proj.weight without calling out_proj): see stage3.py
     layout: GroupLayout
     shards: UnitShards  # this rank's piece of every unit
+    pool: StoragePool  # where the units' gathered bytes come from (each unit refers to it)
     param_unit: dict[int, tuple[int, int]] = field(default_factory=dict)  # id(param) -> (unit, position)
 
     def unit_of(self, param: nn.Parameter) -> tuple[Unit, int] | None:
@@ -256,7 +257,7 @@ def build_units(
             uses.append(tuple(used))
     return UnitTable(
         units=units, modules=modules, module_names=names, module_units=uses, layout=layout,
-        shards=shards, param_unit=param_unit,
+        shards=shards, pool=pool, param_unit=param_unit,
     )  # fmt: skip
 
 
