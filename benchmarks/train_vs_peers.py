@@ -140,6 +140,8 @@ def worker(args) -> None:
     """One rank of one mode (under torchrun): trains ``steps`` steps, writes its measurements."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    if args.mode.startswith("infinity-"):
+        import infinity  # noqa: F401  (before the model's tensors, as a user's script: memory/host.py huge pages)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(max(1, args.threads // world_size))
@@ -174,7 +176,8 @@ def deepspeed_available() -> bool:
 
 def _env(world_size: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // world_size)), "DS_ACCELERATOR": "cpu"}
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # each peer's own allocator settings
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # each peer's own allocator settings (infinity's workers set
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # theirs as they import it: memory/host.py [Note: huge pages])
     return env
 
 

@@ -35,10 +35,11 @@ from infinity.memory.plan import (
     SwapNeed,
     make_plan,
     outsized_kept,
+    outsized_spare_bytes,
     place_parameters,
     swap_need,
 )
-from infinity.memory.pool import gathered_units_numel
+from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
 
@@ -152,18 +153,13 @@ def stage3_units(owners: list[Owner], zero: ZeroConfig, world_size: int) -> tupl
 
 
 def _stage3_gradient_buckets(owners: list[Owner], config: Config, world_size: int) -> Row:
-    """Stage 3's fp32 gradient buckets held at once (zero/reducer.py, [Note: launch order]): the persistent
-    unit's (filled all through backward), the unit whose gradients are arriving, and those being reduced: with
-    overlap_comm up to reduce_bucket_size elements (at least one unit) while peers catch up, none left at world
-    size 1; without overlap_comm one unit."""
+    """Stage 3's fp32 gradient buckets and their pieces held at once (memory/pool.py stage3_gradient_numel)."""
     persistent, units = stage3_units(owners, config.zero, world_size)
-    sizes = [numel for numel, _ in units]
-    largest = max(sizes, default=0)
-    reducing = largest
-    if config.zero.overlap_comm and world_size > 1:
-        reducing = min(sum(sizes), max(config.zero.reduce_bucket_size, largest))
-    return Row("buffers", "gradient buckets (the unit filling, those being reduced)", Where.DEVICE,
-               (persistent + largest + reducing) * 4)  # fmt: skip
+    numel = stage3_gradient_numel(persistent=persistent, units=[numel for numel, _ in units],
+                                  reduce_bucket_numel=config.zero.reduce_bucket_size,
+                                  overlap_comm=config.zero.overlap_comm, world_size=world_size)  # fmt: skip
+    return Row("buffers", "gradient buckets (the unit filling, those being reduced, their pieces)", Where.DEVICE,
+               numel * 4)  # fmt: skip
 
 
 def _init_pieces(owners: list[Owner], world_size: int) -> tuple[int, ...]:
@@ -238,6 +234,10 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             if outsized:
                 rows.append(Row("buffers", "outsized parameter pieces kept from the step to the next forward", home,
                                 outsized))  # fmt: skip
+            big = [b for b in nvme_bytes if b > placement.buffer_bytes]
+            if big:  # their buffers are kept for the next step's edits (zero/shards.py)
+                rows.append(Row("buffers", "outsized parameter piece the step edits", home,
+                                outsized_spare_bytes(big, plan.staging_bytes) - outsized))  # fmt: skip
         else:
             rows.append(Row("model states", "parameter pieces (this rank's share of every unit)", param_home,
                             sum(pieces) * width))  # fmt: skip

@@ -27,7 +27,7 @@ from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import fix_mmap_threshold, threshold_for, trim_heap
+from infinity.memory.host import fix_mmap_threshold, say_huge_pages, threshold_for, trim_heap
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
@@ -377,6 +377,7 @@ class Engine(nn.Module):
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
         fix_mmap_threshold(threshold_for(stage=self.config.zero.stage, on_nvme=on_nvme))  # memory/host.py
+        say_huge_pages()  # [Note: huge pages] in memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
             dtype = self.compute_dtype if buffer.is_floating_point() else buffer.dtype
@@ -712,8 +713,18 @@ class Engine(nn.Module):
                 "stepped): the gradients accumulated so far are not saved. Save right after the engine.step() "
                 "that ends a boundary"
             )
+        self._drop_kept_buffers()
         self.last_checkpoint = save_engine(self, save_dir, tag, client_state, save_latest)
         return True
+
+    def _drop_kept_buffers(self) -> None:
+        """Before a checkpoint's own transfers: the step's buffers kept for the next step (stage 3's gradient
+        buckets, outsized NVMe pieces' host buffers) go back, so that the two do not share the peak; the next
+        step makes them again."""
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.reducer.drop_spares(all_of_them=True)
+        if self.stage3 is not None:
+            self.stage3.table.shards.drop_spares()
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -725,6 +736,7 @@ class Engine(nn.Module):
         from infinity.checkpoint.load import load_engine
 
         self.distributed.check_call("load_checkpoint")
+        self._drop_kept_buffers()
         return load_engine(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -14,6 +14,18 @@ zero.Init's build ([Note: zero.Init memory] in zero/init.py) keep 1 MiB, and the
 reused by their owners (gathered units: memory/pool.py), not by malloc. The user's own setting (the environment
 variable MALLOC_MMAP_THRESHOLD_) is left alone.
 
+[Note: huge pages]
+Whatever the threshold, a block glibc maps for itself is faulted in by the kernel 4 KiB at a time, and autograd
+makes such blocks every step (each weight's gradient, an embedding's dense gradient): on a 384M-parameter Llama
+shape with everything on NVMe, 0.95 M minor faults per step, 23% of the pages the step moves, and on GPT-2 (6
+blocks, fp32, stage 3) 1.1 M. torch's own THP_MEM_ALLOC_ENABLE aligns its host blocks of 2 MiB and more to 2 MiB
+and asks for transparent huge pages (madvise), so each fault maps 2 MiB: measured, 18-25 k faults per step on
+the Llama shape (0.5% of the pages moved) and 0.23 M on GPT-2, at the same peak RSS, system time 7-10 s -> 5-8 s
+per step. torch reads the variable once, at its first host allocation, so ``import infinity`` sets it (unless
+the user has) and it takes effect where infinity is imported before any tensor is made (the CLI, a script that
+imports it first); ``huge_pages`` probes whether it did, and the engine says once how to get it if not. Where
+the kernel has transparent huge pages off (``never``) nothing changes.
+
 Blocks allocated before that (the user's model, built before initialize()) may sit in the heap: once
 initialize() has moved their values into the shards and freed them, ``trim_heap`` gives their pages back
 (malloc_trim releases free pages anywhere in the heap, not only at its top). Measured: a 96 MiB MLP built in the
@@ -27,6 +39,9 @@ import ctypes.util
 import functools
 import logging
 import os
+import resource
+
+import torch
 
 logger = logging.getLogger("infinity")
 
@@ -35,6 +50,7 @@ REUSE_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 RETURN_THRESHOLD_BYTES = 1 << 20  # freed blocks from 1 MiB up go back to the kernel
 BUILD_THRESHOLD_BYTES = RETURN_THRESHOLD_BYTES  # zero.Init: freed parameters go back ([Note: zero.Init memory])
 _fixed: int | None = None
+_said_huge_pages = False
 
 
 @functools.cache
@@ -80,6 +96,40 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     _fixed = nbytes
     logger.debug("glibc M_MMAP_THRESHOLD fixed at %d bytes", nbytes)
     return True
+
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+_PROBE_BYTES = 64 << 20  # above glibc's largest mmap threshold: always a fresh mapping
+
+
+def kernel_huge_pages() -> bool:
+    """Whether the kernel gives transparent huge pages to memory that asks (``always`` or ``madvise``)."""
+    try:
+        with open(THP_SETTING) as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
+
+
+def huge_pages() -> bool:
+    """Whether torch's large host tensors get huge pages ([Note: huge pages]): a probe above any mmap threshold,
+    a fresh mapping, is touched; on 4 KiB pages that is one fault per page, on huge pages a few per 2 MiB."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(_PROBE_BYTES, dtype=torch.uint8)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return faults < _PROBE_BYTES // 4096 // 4
+
+
+def say_huge_pages() -> None:
+    """Once per process: how to get huge pages where the kernel has them and torch's tensors do not."""
+    global _said_huge_pages
+    if _said_huge_pages or not kernel_huge_pages() or huge_pages():
+        return
+    _said_huge_pages = True
+    logger.info(
+        "torch's host tensors are on 4 KiB pages (one page fault per 4 KiB of every gradient autograd makes): "
+        "import infinity before any tensor is made, or start with THP_MEM_ALLOC_ENABLE=1, for huge pages"
+    )
 
 
 def process_status_bytes(field: str) -> int:

@@ -254,6 +254,13 @@ def outsized_kept(nbytes: Iterable[int], budget: int) -> int:
     return total
 
 
+def outsized_spare_bytes(nbytes: Sequence[int], fresh_budget: int) -> int:
+    """Bytes of outsized pieces' buffers kept between steps for reuse (zero/shards.py): the one the step edits
+    (the largest) and those the fresh cache holds (``outsized_kept``), which come back once the next forward has
+    read them. A piece whose buffer is still being written when the next edit comes takes a new one."""
+    return (max(nbytes) + outsized_kept(nbytes, fresh_budget)) if nbytes else 0
+
+
 def tile_numels(runs: Iterable[int], tile_numel: int) -> list[int]:
     """The tiles' sizes, as zero/tiles.py cuts each run (``tile_numel`` is already a multiple of TILE_MULTIPLE)."""
     sizes = []

@@ -313,6 +313,11 @@ class TierManager:
     def _loose_bytes(self) -> int:
         return sum(self._specs[name].nbytes for name in self._loose_writes)
 
+    def writing(self, name: str) -> bool:
+        """Whether a write of the segment is still in flight (finished loose writes are reaped first)."""
+        self.reap_loose_writes()
+        return name in self._loose_writes or name in self._writing_by_name
+
     def reap_loose_writes(self) -> None:
         """Finishes the loose writes that are done: their tensors are freed, a failed one raises now."""
         for name in [n for n, (request, _) in self._loose_writes.items() if request.done()]:

@@ -65,6 +65,9 @@ class FetchStats:
     reduce_blocked_s: float = 0.0  # time spent in those waits and in agreeing on the launch order
     passes: int = 0
     gather_buffers_made: int = 0  # host buffers allocated for gathered units (0 once reused: memory/pool.py)
+    grad_buffers_made: int = 0  # gradient buckets and reduced pieces allocated (0 once reused: reducer.py)
+    outsized_buffers_made: int = 0  # host buffers for NVMe pieces too large for the ring (0 once reused:
+    # shards.py)
 
     @property
     def prefetched_fraction(self) -> float:
@@ -143,7 +146,12 @@ class Coordinator:
         self.in_pass = False
         self.stats = FetchStats()  # this pass
         self.step_stats = FetchStats()  # passes since the last take_step_stats()
-        self._pool_made = 0  # the units' pool's buffers made, at the last take_step_stats
+        # buffers made so far, per stat, and at the last take_step_stats (each stat is the difference)
+        self.made_counters: dict[str, Callable[[], int]] = {
+            "gather_buffers_made": lambda: table.pool.stats.made,
+            "outsized_buffers_made": lambda: getattr(table.shards, "outsized_made", 0),
+        }
+        self._made_before: dict[str, int] = {}
         self.reduction_peaks: Callable[[], tuple[int, int]] | None = None  # the reducer's (buckets, numel) held
         # at most since the last call
         self.before_drain: Callable[[], None] | None = None  # the reducer launches what backward left: a rank
@@ -197,8 +205,10 @@ class Coordinator:
         stats, self.step_stats = self.step_stats, FetchStats()
         if self.reduction_peaks is not None:
             stats.peak_grad_buckets, stats.peak_grad_numel = self.reduction_peaks()
-        made = self.table.pool.stats.made
-        stats.gather_buffers_made, self._pool_made = made - self._pool_made, made
+        for name, counter in self.made_counters.items():
+            made = counter()
+            setattr(stats, name, made - self._made_before.get(name, 0))
+            self._made_before[name] = made
         return stats
 
     # ---- gradient reductions: [Note: launch order] in reducer.py ----

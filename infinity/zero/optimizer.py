@@ -120,10 +120,11 @@ class PartitionedOptimizer:
         self._collect_grads()
         if loss_scale != 1.0:
             self._scale_grads(1.0 / loss_scale)
-        if check_overflow and self._overflow_anywhere():
+        squares = self._global_squares()
+        if check_overflow and not math.isfinite(squares):  # an element is not finite on some rank (piece_squares)
             self.zero_grad()
             return StepResult(stepped=False, grad_norm=math.inf)
-        norm = self.global_grad_norm()
+        norm = math.sqrt(squares)
         if clip_norm > 0:
             coefficient = min(clip_norm / (norm + 1e-6), 1.0)
             if coefficient < 1.0:
@@ -159,13 +160,6 @@ class PartitionedOptimizer:
     def _step_tiles(self) -> None:
         raise NotImplementedError
 
-    def _local_overflow(self) -> bool:
-        return any(not torch.isfinite(grad).all() for grad in self.grad_shards)
-
-    def _overflow_anywhere(self) -> bool:
-        flag = torch.tensor([1.0 if self._local_overflow() else 0.0], device=self.device)
-        return bool(collectives.all_reduce_max_(self.comm, flag).item())
-
     def _local_squares(self) -> torch.Tensor:
         """This rank's share of the squared global norm, float64, on the device."""
         total = 0.0
@@ -173,16 +167,21 @@ class PartitionedOptimizer:
             total += piece_squares(grad)
         return torch.tensor([total], dtype=torch.float64, device=self.device)
 
-    def global_grad_norm(self) -> float:
-        """L2 norm of the whole gradient: squares summed over this rank's disjoint pieces, then across ranks."""
+    def _global_squares(self) -> float:
+        """The whole gradient's squared L2 norm: squares summed over this rank's disjoint pieces, then across
+        ranks (one collective, which is also fp16's overflow check: not finite where any rank's gradient is not)."""
         squares = self._local_squares()
         if self.stage > 0:
             collectives.all_reduce_sum_(self.comm, squares)
-        return math.sqrt(squares.item())
+        return squares.item()
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of the whole gradient."""
+        return math.sqrt(self._global_squares())
 
     def zero_grad(self) -> None:
-        """After the step, taken or skipped: the gradient and the spare reduce buffers are freed
-        ([Note: gradient shards])."""
+        """After the step, taken or skipped: the gradient is freed ([Note: gradient shards]), stage 2's spare
+        reduce buffers too."""
         if self.gradients_in_memory is not None:
             self.gradients_in_memory.free()
         self.reducer.drop_spares()
@@ -210,6 +209,7 @@ class PartitionedOptimizer:
             hook.remove()
         self._hooks.clear()
         self._no_grad_marks.clear()
+        self.reducer.drop_spares(all_of_them=True)
         if self.tiled is not None:
             self.tiled.close()
 

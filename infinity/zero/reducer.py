@@ -108,7 +108,9 @@ class GradientReducer:
     _spare_bytes: int = 0
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
-    keep_spares: bool = True  # stage 3 frees each unit's buffer: its sizes are as many as its modules
+    spare_budget_bytes: int | None = None  # stage 3: buffers and pieces are kept across steps for reuse, in use
+    # and kept together within this many bytes (memory/pool.py stage3_gradient_numel); None: stage 2's rule
+    # (MAX_SPARES buffers, kept within an accumulation window)
     max_in_flight: int | None = 2  # stages 0-2: reductions in flight before the oldest is waited for; None:
     # never (stage 3 bounds them by in_flight_numel, waiting through wait_in_backward)
     deliver: Callable[[int, torch.Tensor], None] | None = None  # stage 3, gradients on NVMe: (unit, reduced
@@ -126,6 +128,8 @@ class GradientReducer:
     _waiting_bytes: int = 0
     _in_use_bytes: int = 0  # buffers acquired and not yet returned (stages 0/1 keep theirs)
     _in_use_count: int = 0
+    _pieces_bytes: int = 0  # stage 3: reduced pieces taken from the spares and not yet delivered
+    buffers_made: int = 0  # buffers and pieces allocated rather than reused, since the start
     _step_peak: tuple[int, int] = (0, 0)  # (buffers, elements) held at most since take_peaks()
 
     def __post_init__(self) -> None:
@@ -286,8 +290,12 @@ class GradientReducer:
         state.written.clear()
         buffer = state.buffer
         if self.stage >= 2:
-            piece = torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device)
-            pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
+            if self.comm.active:  # stage 3 reuses pieces too; stage 2's spares are its buckets' (MAX_SPARES)
+                piece = (self._take_piece(bucket.piece_numel) if self.spare_budget_bytes is not None
+                         else torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device))  # fmt: skip
+                pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
+            else:  # one rank: the bucket is its own mean, and its own piece
+                piece, pending = buffer, Pending(None)
             state.buffer = None  # back to the spares once the collective is done with it
 
             def finish(piece=piece, buffer=buffer, bucket=bucket):
@@ -297,6 +305,9 @@ class GradientReducer:
                     self.gradients.write(bucket.group, bucket.shard_offset, piece)
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 self._in_use_count -= 1
+                if piece is not buffer and self.spare_budget_bytes is not None:
+                    self._pieces_bytes -= piece.numel() * 4
+                    self._keep_spare(piece)
                 self._keep_spare(buffer)
 
         else:
@@ -328,7 +339,8 @@ class GradientReducer:
             flight.pending.wait()
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
-        """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps) or a new one.
+        """A bucket buffer: a spare one (stage 2 reuses them across buckets and micro-steps, stage 3 across
+        steps) or a new one.
         Only the padding must be zero; every slot is overwritten before it is read. New ones are left empty, so
         their pages are touched as gradients arrive (while backward frees activations), not all at once."""
         numel = bucket.padded_numel
@@ -337,31 +349,58 @@ class GradientReducer:
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes)
         count, elements = self._step_peak
         self._step_peak = (max(count, self._in_use_count), max(elements, self._in_use_bytes // 4))
-        spares = self._spare.get(numel)
-        if spares:
-            buffer = spares.pop()
-            self._spare_count -= 1
-            self._spare_bytes -= numel * 4  # in use from here on
-        else:
-            buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+        buffer = self._spare_or_new(numel, in_use=self._in_use_bytes - numel * 4)
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes + self._spare_bytes)
         buffer[bucket.numel :].zero_()
         return buffer
 
+    def _take_piece(self, numel: int) -> torch.Tensor:
+        """A reduced piece's memory: a spare of its size or a new one (filled whole by the collective)."""
+        piece = self._spare_or_new(numel, in_use=self._in_use_bytes)
+        self._pieces_bytes += numel * 4
+        return piece
+
+    def _spare_or_new(self, numel: int, *, in_use: int) -> torch.Tensor:
+        spares = self._spare.get(numel)
+        if spares:
+            self._spare_count -= 1
+            self._spare_bytes -= numel * 4  # in use from here on
+            return spares.pop()
+        if self.spare_budget_bytes is not None:  # kept ones of other sizes make room for the new one
+            self._make_room(in_use + self._pieces_bytes + numel * 4)
+        self.buffers_made += 1
+        return torch.empty(numel, dtype=torch.float32, device=self.device)
+
+    def _make_room(self, needed: int) -> None:
+        for size in sorted(self._spare, reverse=True):
+            spares = self._spare[size]
+            while spares and needed + self._spare_bytes > self.spare_budget_bytes:
+                spares.pop()
+                self._spare_count -= 1
+                self._spare_bytes -= size * 4
+        self._spare = {size: spares for size, spares in self._spare.items() if spares}
+
     def _keep_spare(self, buffer: torch.Tensor) -> None:
-        """A reduced bucket's buffer, kept for the next bucket of its size (stage 2 reuses them within a window
-        rather than handing the memory back and faulting it in again), at most MAX_SPARES of them: buckets of
-        many sizes must not keep one buffer each, the whole model's gradient."""
-        if not self.keep_spares or self._spare_count >= MAX_SPARES:
+        """A reduced bucket's buffer (or piece), kept for the next of its size rather than handed back and
+        faulted in again ([Note: buffer reuse] in memory/pool.py): stage 3 within spare_budget_bytes, stage 2 at
+        most MAX_SPARES (buckets of many sizes must not keep one buffer each, the whole model's gradient)."""
+        nbytes = buffer.numel() * 4
+        if self.spare_budget_bytes is not None:
+            if self._in_use_bytes + self._pieces_bytes + self._spare_bytes + nbytes > self.spare_budget_bytes:
+                return
+        elif self._spare_count >= MAX_SPARES:
             return
         self._spare.setdefault(buffer.numel(), []).append(buffer)
         self._spare_count += 1
-        self._spare_bytes += buffer.numel() * 4
+        self._spare_bytes += nbytes
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes + self._spare_bytes)
 
-    def drop_spares(self) -> None:
-        """After the step: spare buffers go back (stage 2 keeps them across the micro-steps of a window only;
-        between windows the forward's activations need the room)."""
+    def drop_spares(self, *, all_of_them: bool = False) -> None:
+        """After the step: stage 2's spare buffers go back (kept across the micro-steps of a window only; between
+        windows the forward's activations need the room). Stage 3 keeps its own within their budget, which the
+        estimate counts beside the activations, unless ``all_of_them`` (the engine closes)."""
+        if self.spare_budget_bytes is not None and not all_of_them:
+            return
         self._spare.clear()
         self._spare_count = 0
         self._spare_bytes = 0

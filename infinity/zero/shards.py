@@ -41,7 +41,7 @@ from infinity.config import ZeroConfig
 from infinity.memory.copies import CopyStream
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import parameter_tier
-from infinity.memory.plan import STAGING_BUDGET_BYTES, Plan, host_kept, place_parameters
+from infinity.memory.plan import STAGING_BUDGET_BYTES, Plan, host_kept, outsized_spare_bytes, place_parameters
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.partition import GroupLayout
 
@@ -88,6 +88,13 @@ class UnitShards:
         # at most staging_bytes of them, the first ones the step commits (the units' order, as the forward's)
         self._fresh: dict[int, torch.Tensor] = {}
         self.fresh_budget = staging_bytes
+        # outsized pieces' host buffers, reused by the next step's edits rather than handed back and faulted in
+        # again ([Note: buffer reuse] in memory/pool.py): spares (a piece takes the smallest that holds it), and
+        # those whose write behind the step may still be reading them; spares within outsized_spare_budget
+        self._outsized_spares: list[torch.Tensor] = []
+        self._outsized_behind: dict[int, torch.Tensor] = {}
+        self.outsized_spare_budget = 0
+        self.outsized_made = 0  # such buffers allocated rather than reused, since the start (zero_stats)
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
             placement = place_parameters(movable, itemsize=dtype.itemsize, host_numel=host_numel,
@@ -102,6 +109,8 @@ class UnitShards:
                     manager.add(self._name(bucket.index), bucket.piece_numel, tier, dtype)
             if self.on_nvme:
                 manager.buffer_bytes = placement.buffer_bytes  # none fits: all read on demand
+            outsized = [n * dtype.itemsize for i, n in movable if i in self.on_nvme and not manager.fits(self._name(i))]
+            self.outsized_spare_budget = outsized_spare_bytes(outsized, staging_bytes)
             manager.open()
             for index in self.kept:  # the manager's host home (pinned where asked), used in place from here on
                 self._resident[index] = manager.acquire(self._name(index)).wait()
@@ -135,9 +144,11 @@ class UnitShards:
             event = self.copies.copy(out, source)
             if event is not None:  # a non-blocking copy from the host piece, which the step rewrites in place
                 self._copying[index] = event
-        elif index in self._fresh:  # its write may still be reading it: the manager holds it till done
-            self.copies.copy(out, self._fresh.pop(index), then_reuse_source=True)
-            self.manager.reap_loose_writes()
+        elif index in self._fresh:  # its write may still be reading it: reused once that has landed
+            piece = self._fresh.pop(index)
+            self.copies.copy(out, piece, then_reuse_source=True)
+            self._outsized_behind[index] = piece
+            self._recycle_outsized()
         elif index in self._staged:
             handle = self._staged.pop(index)
             self.copies.copy(out, handle.wait(), then_reuse_source=True)
@@ -165,12 +176,40 @@ class UnitShards:
         self._drop_fresh()
 
     def _drop_fresh(self, index: int | None = None) -> None:
-        if index is None:
-            self._fresh.clear()
-        else:
-            self._fresh.pop(index, None)
+        dropped = dict(self._fresh) if index is None else {index: self._fresh[index]} if index in self._fresh else {}
+        for unit, piece in dropped.items():
+            del self._fresh[unit]
+            self._outsized_behind[unit] = piece
         if self.manager is not None:
-            self.manager.reap_loose_writes()
+            self._recycle_outsized()
+
+    def _outsized_buffer(self, numel: int) -> torch.Tensor:
+        """A host buffer for an outsized piece's edit: a spare of its size, or a new one."""
+        self._recycle_outsized()
+        fitting = [k for k, spare in enumerate(self._outsized_spares) if spare.numel() >= numel]
+        if fitting:
+            best = min(fitting, key=lambda k: self._outsized_spares[k].numel())
+            return self._outsized_spares.pop(best)[:numel]
+        self.outsized_made += 1
+        return torch.empty(numel, dtype=self.dtype)
+
+    def _recycle_outsized(self) -> None:
+        """Buffers whose write has landed become spares (the whole buffer a piece had a view of), within
+        outsized_spare_budget, the smallest going back first; the rest go back to the C library."""
+        for index in [i for i in self._outsized_behind if not self.manager.writing(self._name(i))]:
+            buffer = self._outsized_behind.pop(index)
+            self._outsized_spares.append(buffer if buffer._base is None else buffer._base)
+        self._outsized_spares.sort(key=torch.Tensor.numel, reverse=True)
+        kept = 0
+        for position, spare in enumerate(self._outsized_spares):
+            kept += spare.numel() * spare.element_size()
+            if kept > self.outsized_spare_budget:
+                del self._outsized_spares[position:]
+                break
+
+    def drop_spares(self) -> None:
+        """Outsized pieces' spare buffers go back (a checkpoint's transfers are next); the next step makes them."""
+        self._outsized_spares.clear()
 
     def _fresh_bytes(self) -> int:
         return sum(piece.numel() * piece.element_size() for piece in self._fresh.values())
@@ -213,10 +252,12 @@ class UnitShards:
                 if index in self._fresh:
                     self.manager.settle(self._name(index))
                     piece = self._fresh.pop(index)
-                elif overwrite:
-                    piece = torch.zeros(self.layout.buckets[index].piece_numel, dtype=self.dtype)
                 else:
-                    piece = self.read(index)
+                    piece = self._outsized_buffer(self.layout.buckets[index].piece_numel)
+                    if overwrite:
+                        piece[self.held_numel(index) :].zero_()
+                    else:
+                        self.load_into(index, piece)
                 self._editing_outsized[index] = piece
             return self._editing_outsized[index]
         if index not in self._editing:
@@ -248,6 +289,8 @@ class UnitShards:
             nbytes = outsized.numel() * outsized.element_size()
             if self._fresh_bytes() + nbytes <= self.fresh_budget:
                 self._fresh[index] = outsized
+            else:
+                self._outsized_behind[index] = outsized
         handle = self._editing.pop(index, None)
         if handle is not None:
             self.manager.release(handle, dirty=True)
@@ -279,6 +322,8 @@ class UnitShards:
             self._copied(index)
         self._staged.clear()
         self._fresh.clear()
+        self._outsized_behind.clear()
+        self._outsized_spares.clear()
         self._editing.clear()
         self._editing_outsized.clear()
         if self.manager is not None:

@@ -28,7 +28,7 @@ from torch.utils import _pytree
 
 from infinity.config import ZeroConfig
 from infinity.distributed import Distributed
-from infinity.memory.pool import gathered_units_numel
+from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
 from infinity.zero import collectives
 from infinity.zero.coordinator import Coordinator
 from infinity.zero.reducer import GradientReducer
@@ -154,8 +154,15 @@ class Stage3:
         reducer.launch_order = self.coordinator.reduce_order
         reducer.wait_in_backward = self.coordinator.wait_for_reduction
         reducer.in_flight_numel = self.reduce_bucket_numel
+        units = self.table.units
+        reducer.spare_budget_bytes = 4 * stage3_gradient_numel(
+            persistent=sum(u.padded_numel for u in units if u.persistent),
+            units=[u.padded_numel for u in units if not u.persistent], reduce_bucket_numel=self.reduce_bucket_numel,
+            overlap_comm=reducer.overlap_comm, world_size=self.coordinator.comm.world_size,
+        )  # fmt: skip
         reducer.before_launch = self.coordinator.before_launch  # [Note: one collective order] in rendezvous.py
         self.coordinator.reduction_peaks = reducer.take_peaks
+        self.coordinator.made_counters["grad_buffers_made"] = lambda: reducer.buffers_made
         self.coordinator.before_drain = reducer.launch_rest
 
     # ---- GatheredParameters and saving ----

@@ -94,7 +94,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self.masters = []
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), gradients=self.gradients_in_memory, shard_rank=comm.rank,
-            device=device, overlap_comm=overlap_comm, expected=expected, keep_spares=False, max_in_flight=None,
+            device=device, overlap_comm=overlap_comm, expected=expected, max_in_flight=None,
             deliver=None if self.gradients is None else self.gradients.deliver,
         )  # fmt: skip
         self._hooks = []
@@ -145,9 +145,6 @@ class UnitOptimizer(PartitionedOptimizer):
             self._grad_factors.append(factor)  # applied per tile as it steps
         else:
             super()._scale_grads(factor)
-
-    def _local_overflow(self) -> bool:
-        return self.gradients.nonfinite if self.gradients is not None else super()._local_overflow()
 
     def _local_squares(self) -> torch.Tensor:
         """Per unit piece holding tiles, summed in unit order, wherever the gradient lives ([Note: swapped

@@ -186,3 +186,42 @@ def test_loose_writes_in_flight_are_bounded_by_the_ring(tmp_path, monkeypatch):
     finally:
         unit.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_outsized_pieces_reuse_their_host_buffers_step_after_step(tmp_path, overwrite):
+    """Every NVMe piece outsized: each step edits them all (overwriting, or reading first) and commits them, the
+    next forward gathers them. From the second step on no buffer is allocated: each edit takes one whose write
+    has landed or that the gather has copied, and the spares stay within their budget; the values are the last
+    step's, in memory and on disk."""
+    layout = layout_from_runs(0, NUMELS, [[i] for i in range(len(NUMELS))], world_size=1)
+    handle = AioHandle()
+    manager = TierManager(store=NvmeStore(tmp_path, handle=handle, run_id="shards"), handle=handle, buffer_count=2)
+    unit = UnitShards(layout, dtype=torch.float32, device=torch.device("cpu"), home=Tier.NVME, persistent={0},
+                      rank=0, manager=manager, max_piece_numel=64, staging_bytes=1400 * 4)  # fmt: skip
+    try:
+        for index in range(1, len(NUMELS)):
+            unit.store(index, piece_values(index))
+        made = []
+        for step in range(1, 5):
+            out = {index: torch.empty(NUMELS[index]) for index in range(1, len(NUMELS))}
+            for index in out:  # the forward: kept pieces from memory, the rest from the disk
+                unit.load_into(index, out[index])
+                assert torch.equal(out[index], piece_values(index) * (step if step > 1 else 1)), (step, index)
+            unit.unstage_all()
+            for index in out:  # the step: every piece's new values
+                piece = unit.edit(index, overwrite=overwrite)
+                if not overwrite:
+                    assert torch.equal(piece, out[index])
+                piece.copy_(piece_values(index) * (step + 1))
+                unit.commit(index)
+            spares = sum(b.numel() * 4 for b in unit._outsized_spares)
+            assert spares <= unit.outsized_spare_budget
+            made.append(unit.outsized_made)
+        assert made[0] > 0 and made[-1] == made[1], made
+        manager.flush()
+        expected = [torch.zeros(NUMELS[0])] + [piece_values(i) * 5 for i in range(1, len(NUMELS))]
+        assert torch.equal(shard_snapshot(unit), torch.cat(expected))
+    finally:
+        unit.close()
+    assert list(tmp_path.iterdir()) == []

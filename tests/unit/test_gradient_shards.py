@@ -51,7 +51,12 @@ def test_no_gradient_memory_between_the_step_and_the_next_backward(stage):
     during = 4 * numel if stage >= 2 else 0
     assert held[0] >= during and held[1] >= during  # the first micro-step: held through the window
     assert held[2] >= 4 * numel and held[3] == 0  # the boundary: reduced, then freed by the step
-    assert not optimizer.reducer._spare  # stage 2's spare reduce buffers went with it
+    reducer = optimizer.reducer
+    if stage < 3:
+        assert not reducer._spare  # stage 2's spare reduce buffers went with it
+    else:  # stage 3 keeps its bucket buffers for the next backward, within what the estimate counts for them
+        kept = sum(b.numel() * 4 for buffers in reducer._spare.values() for b in buffers)
+        assert 0 < kept <= reducer.spare_budget_bytes, (kept, reducer.spare_budget_bytes)
     if stage < 3:  # fp32 without offload: the masters are pieces of the weights, no fp32 copy
         assert optimizer.masters_are_weights and optimizer.state_bytes() == 2 * 4 * sum(
             m.numel() for m in optimizer.masters

@@ -141,3 +141,14 @@ def test_regathered_units_reuse_their_host_buffers(zero):
     stats = second_step_stats(steps=3, **zero)
     assert stats["fetches"] == 18 and stats["already_gathered"] < 9, stats  # units were released and regathered
     assert stats["gather_buffers_made"] == 0, stats
+
+
+def test_gradient_buckets_and_outsized_nvme_pieces_reuse_their_buffers(tmp_path):
+    """Stage 3's gradient buckets (and their pieces) and the host buffers of NVMe pieces too large for the
+    staging ring (buffer_size 512 elements: every unit) are kept for the next step: from the third step on
+    none is allocated."""
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_size": 512}
+    stats = second_step_stats(steps=3, offload_param=offload)
+    assert stats["grad_buffers_made"] == 0 and stats["outsized_buffers_made"] == 0, stats
+    first = second_step_stats(steps=1, offload_param=offload)
+    assert first["grad_buffers_made"] > 0 and first["outsized_buffers_made"] > 0, first

@@ -1,0 +1,45 @@
+"""torch's host tensors on huge pages ([Note: huge pages] in infinity/memory/host.py): `import infinity` asks
+for them before torch's first tensor, a user's own THP_MEM_ALLOC_ENABLE stands, and an engine started where it
+came too late says once how to get them. Each case in a fresh interpreter: torch reads the setting once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infinity.memory.host import kernel_huge_pages
+
+PROBE = "from infinity.memory.host import huge_pages; print(huge_pages())"
+
+
+def run(code: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | env
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environ,
+                          check=True)  # fmt: skip
+
+
+@pytest.mark.skipif(not kernel_huge_pages(), reason="the kernel has transparent huge pages off")
+def test_import_infinity_first_puts_large_tensors_on_huge_pages():
+    assert run("import torch, infinity\n" + PROBE).stdout.split() == ["True"]  # torch first, but no tensor yet
+
+
+def test_the_users_setting_stands():
+    assert run("import infinity\n" + PROBE, THP_MEM_ALLOC_ENABLE="0").stdout.split() == ["False"]
+
+
+@pytest.mark.skipif(not kernel_huge_pages(), reason="the kernel has transparent huge pages off")
+def test_an_engine_started_too_late_for_them_says_how_to_get_them():
+    code = """
+import torch
+model = torch.nn.Linear(4, 4)  # torch's first tensors, before infinity is imported
+import infinity
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+for _ in range(2):
+    engine, *_ = infinity.initialize(model=torch.nn.Linear(4, 4), config=config)
+    engine.destroy()
+"""
+    said = [line for line in run(code).stderr.splitlines() if "THP_MEM_ALLOC_ENABLE=1" in line]
+    assert len(said) == 1, said
