@@ -114,18 +114,20 @@ def kernel_huge_pages() -> bool:
 def huge_pages() -> bool:
     """Whether torch's large host tensors get huge pages ([Note: huge pages]): a probe above any mmap threshold,
     a fresh mapping, is touched; on 4 KiB pages that is one fault per page, on huge pages a few per 2 MiB."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt  # this thread's: not the I/O threads'
     torch.ones(_PROBE_BYTES, dtype=torch.uint8)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
     return faults < _PROBE_BYTES // 4096 // 4
 
 
 def say_huge_pages() -> None:
     """Once per process: how to get huge pages where the kernel has them and torch's tensors do not."""
     global _said_huge_pages
-    if _said_huge_pages or not kernel_huge_pages() or huge_pages():
+    if _said_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # the user's choice, said or not
         return
-    _said_huge_pages = True
+    _said_huge_pages = True  # probed once per process
+    if not kernel_huge_pages() or huge_pages():
+        return
     logger.info(
         "torch's host tensors are on 4 KiB pages (one page fault per 4 KiB of every gradient autograd makes): "
         "import infinity before any tensor is made, or start with THP_MEM_ALLOC_ENABLE=1, for huge pages"

@@ -36,13 +36,14 @@ def stage3_gradient_numel(
     """Elements of stage 3's fp32 gradient buckets held at once (zero/reducer.py, [Note: launch order]), their
     reduced pieces included: the persistent unit's (filled all through backward), the unit whose gradients are
     arriving, and those being reduced (with overlap_comm at world size > 1 up to reduce_bucket_size elements, at
-    least one unit, while peers catch up; else one unit), with the pieces they reduce into (at world size 1 a
-    bucket is its own piece). The reducer keeps buffers for reuse within this many, as the estimate counts."""
+    least one unit, while peers catch up; else one unit), with the pieces they and the persistent unit reduce into
+    (at world size 1 a bucket is its own piece). The reducer keeps buffers for reuse within this many, as the
+    estimate counts."""
     largest = max(units, default=0)
     reducing = largest
     if overlap_comm and world_size > 1:
         reducing = min(sum(units), max(reduce_bucket_numel, largest))
-    pieces = -(-reducing // world_size) if world_size > 1 else 0
+    pieces = (-(-reducing // world_size) + -(-persistent // world_size)) if world_size > 1 else 0
     return persistent + largest + reducing + pieces
 
 

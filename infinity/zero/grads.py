@@ -14,7 +14,7 @@ unit piece's sum of squares (of the accumulated gradient, unscaled by the loss s
 clipping), which is also fp16's overflow check: the sum is not finite exactly when an element is. The unscale
 and clipping factors are applied per tile when it steps. The in-memory stage 3 path computes the same per-piece
 squares and sums them in unit order, so clipping gives bitwise the same result with gradients in memory or on
-NVMe, whatever the tile size (a per-tile norm would round differently for every sub_group_size).
+NVMe on the same device, whatever the tile size (a per-tile norm would round differently for every sub_group_size).
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class GradientReducer:
     reduce_this_backward: bool = False
     expected: list[int] | None = None  # per bucket: parameters that get gradients (default: all of them)
     spare_budget_bytes: int | None = None  # stage 3: buffers and pieces are kept across steps for reuse, in use
-    # and kept together within this many bytes (memory/pool.py stage3_gradient_numel); None: stage 2's rule
+    # and kept together within this many bytes (memory/pool.py stage3_gradient_numel; 0 on a GPU, whose caching
+    # allocator reuses, and where a kept piece could still be read by a copy to the host); None: stage 2's rule
     # (MAX_SPARES buffers, kept within an accumulation window)
     max_in_flight: int | None = 2  # stages 0-2: reductions in flight before the oldest is waited for; None:
     # never (stage 3 bounds them by in_flight_numel, waiting through wait_in_backward)
@@ -290,11 +291,11 @@ class GradientReducer:
         state.written.clear()
         buffer = state.buffer
         if self.stage >= 2:
-            if self.comm.active:  # stage 3 reuses pieces too; stage 2's spares are its buckets' (MAX_SPARES)
+            if self.comm.active or self.device.type != "cpu":  # a device piece may be read by a copy in flight
                 piece = (self._take_piece(bucket.piece_numel) if self.spare_budget_bytes is not None
                          else torch.empty(bucket.piece_numel, dtype=torch.float32, device=self.device))  # fmt: skip
                 pending = collectives.reduce_scatter_mean(self.comm, piece, buffer, async_op=async_op)
-            else:  # one rank: the bucket is its own mean, and its own piece
+            else:  # one rank on the host: the bucket is its own mean and piece (its delivery copies at once)
                 piece, pending = buffer, Pending(None)
             state.buffer = None  # back to the spares once the collective is done with it
 
@@ -307,8 +308,9 @@ class GradientReducer:
                 self._in_use_count -= 1
                 if piece is not buffer and self.spare_budget_bytes is not None:
                     self._pieces_bytes -= piece.numel() * 4
+                self._keep_spare(buffer)  # the larger first, where the budget is tight
+                if piece is not buffer and self.spare_budget_bytes is not None:
                     self._keep_spare(piece)
-                self._keep_spare(buffer)
 
         else:
             pending = collectives.all_reduce_mean(self.comm, buffer, async_op=async_op)

@@ -212,7 +212,7 @@ class UnitShards:
         self._outsized_spares.clear()
 
     def _fresh_bytes(self) -> int:
-        return sum(piece.numel() * piece.element_size() for piece in self._fresh.values())
+        return sum(piece.untyped_storage().nbytes() for piece in self._fresh.values())  # a view holds its base
 
     @property
     def staging_capacity(self) -> int:
@@ -286,7 +286,7 @@ class UnitShards:
         if outsized is not None:  # written behind the next tiles; kept for the next gather, within the budget
             self.manager.write_from(self._name(index), outsized, block=False)
             del self._editing_outsized[index]  # only once its write is issued: a failure keeps the new values
-            nbytes = outsized.numel() * outsized.element_size()
+            nbytes = outsized.untyped_storage().nbytes()
             if self._fresh_bytes() + nbytes <= self.fresh_budget:
                 self._fresh[index] = outsized
             else:

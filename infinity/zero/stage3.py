@@ -155,7 +155,7 @@ class Stage3:
         reducer.wait_in_backward = self.coordinator.wait_for_reduction
         reducer.in_flight_numel = self.reduce_bucket_numel
         units = self.table.units
-        reducer.spare_budget_bytes = 4 * stage3_gradient_numel(
+        reducer.spare_budget_bytes = 0 if reducer.device.type != "cpu" else 4 * stage3_gradient_numel(
             persistent=sum(u.padded_numel for u in units if u.persistent),
             units=[u.padded_numel for u in units if not u.persistent], reduce_bucket_numel=self.reduce_bucket_numel,
             overlap_comm=reducer.overlap_comm, world_size=self.coordinator.comm.world_size,
