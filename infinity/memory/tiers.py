@@ -314,8 +314,7 @@ class TierManager:
         return sum(self._specs[name].nbytes for name in self._loose_writes)
 
     def writing(self, name: str) -> bool:
-        """Whether a write of the segment is still in flight (finished loose writes are reaped first)."""
-        self.reap_loose_writes()
+        """Whether a write of the segment is still in flight (as of the last reap_loose_writes)."""
         return name in self._loose_writes or name in self._writing_by_name
 
     def reap_loose_writes(self) -> None:

@@ -298,18 +298,19 @@ class GradientReducer:
             else:  # one rank on the host: the bucket is its own mean and piece (its delivery copies at once)
                 piece, pending = buffer, Pending(None)
             state.buffer = None  # back to the spares once the collective is done with it
+            pooled_piece = piece is not buffer and self.spare_budget_bytes is not None  # from _take_piece
 
-            def finish(piece=piece, buffer=buffer, bucket=bucket):
+            def finish(piece=piece, buffer=buffer, bucket=bucket, pooled_piece=pooled_piece):
                 if self.deliver is not None:
                     self.deliver(bucket.index, piece)
                 else:  # the window's first piece is copied, later ones added ([Note: gradient shards])
                     self.gradients.write(bucket.group, bucket.shard_offset, piece)
                 self._in_use_bytes -= buffer.numel() * buffer.element_size()
                 self._in_use_count -= 1
-                if piece is not buffer and self.spare_budget_bytes is not None:
+                if pooled_piece:
                     self._pieces_bytes -= piece.numel() * 4
                 self._keep_spare(buffer)  # the larger first, where the budget is tight
-                if piece is not buffer and self.spare_budget_bytes is not None:
+                if pooled_piece:
                     self._keep_spare(piece)
 
         else:

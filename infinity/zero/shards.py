@@ -176,10 +176,8 @@ class UnitShards:
         self._drop_fresh()
 
     def _drop_fresh(self, index: int | None = None) -> None:
-        dropped = dict(self._fresh) if index is None else {index: self._fresh[index]} if index in self._fresh else {}
-        for unit, piece in dropped.items():
-            del self._fresh[unit]
-            self._outsized_behind[unit] = piece
+        for unit in list(self._fresh) if index is None else [index] if index in self._fresh else []:
+            self._outsized_behind[unit] = self._fresh.pop(unit)  # reused once its write has landed
         if self.manager is not None:
             self._recycle_outsized()
 
@@ -196,6 +194,7 @@ class UnitShards:
     def _recycle_outsized(self) -> None:
         """Buffers whose write has landed become spares (the whole buffer a piece had a view of), within
         outsized_spare_budget, the smallest going back first; the rest go back to the C library."""
+        self.manager.reap_loose_writes()
         for index in [i for i in self._outsized_behind if not self.manager.writing(self._name(i))]:
             buffer = self._outsized_behind.pop(index)
             self._outsized_spares.append(buffer if buffer._base is None else buffer._base)
