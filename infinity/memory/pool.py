@@ -66,6 +66,7 @@ class StoragePool:
     _kept: dict[int, list[torch.UntypedStorage]] = field(default_factory=dict)
     _kept_bytes: int = 0
     _in_use_bytes: int = 0
+    _holders: list[torch.UntypedStorage] = field(default_factory=list)  # 0-byte storages, to swap memory into
 
     @property
     def kept_bytes(self) -> int:
@@ -90,6 +91,7 @@ class StoragePool:
             buffer = torch.UntypedStorage(nbytes)
             self.stats.made += 1
         storage._swap_data_ptr_(buffer)  # storage now holds the memory, buffer the 0 bytes
+        self._holders.append(buffer)  # the next empty() swaps into it ([Note: no allocation per gather] in units.py)
         self._in_use_bytes += nbytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self._in_use_bytes + self._kept_bytes)
 
@@ -101,7 +103,7 @@ class StoragePool:
             return
         if nbytes == 0:
             return
-        holder = torch.UntypedStorage(0)
+        holder = self._holders.pop() if self._holders else torch.UntypedStorage(0)
         storage._swap_data_ptr_(holder)  # holder now holds the memory
         self._in_use_bytes -= nbytes
         if self._in_use_bytes + self._kept_bytes + nbytes <= self.budget_bytes:
@@ -125,3 +127,4 @@ class StoragePool:
         self.stats.dropped += sum(len(buffers) for buffers in self._kept.values())
         self._kept.clear()
         self._kept_bytes = 0
+        self._holders.clear()
