@@ -9,7 +9,7 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names;
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
-  ring of tiles, and the gradient's ring when the gradient goes to NVMe with the optimizer), and the pieces too
+  ring of tiles, and the gradient's ring when the plan sends the gradient to NVMe with it), and the pieces too
   large for a ring buffer, kept from the step to the next forward within the same budget;
 - every size a run decides (tiles, rings, the host cache of max_in_cpu, the swap files' segments) is the plan's
   (memory/plan.py, [Note: one plan]): the same functions the engine sizes its buffers with, so the estimate
@@ -191,11 +191,6 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     offload_opt, offload_param = zero.offload_optimizer, zero.offload_param
     opt_home = _home(offload_opt.device, offload_opt.pin_memory, cuda=cuda)
     share = trainable if zero.stage == 0 else -(-trainable // n)  # elements of the optimizer this rank holds
-    grad_on_nvme = zero.stage == 3 and offload_opt.device == "nvme"
-    state_width = 1 + momentum_states + grad_on_nvme if offload_opt.enabled else 0
-    plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
-                     host_share=shape.host_available // shape.local_ranks)  # fmt: skip
-
     # ---- the layout's sizes, as the engine lays it out ----
     if zero.stage == 3:
         persistent, units = stage3_units(owners, zero, n)
@@ -208,6 +203,11 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         trained = [x for o in owners for x, t in zip(o.numels, o.trainable, strict=True) if t]
         buckets = partition_plan([trained], world_size=n if zero.stage else 1, bucket_numel=zero.reduce_bucket_size)
         layout = LayoutSizes(runs=tuple(b.piece_numel for b in buckets[0].buckets))
+    state_width = 1 + momentum_states if offload_opt.enabled else 0  # master + states
+    plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
+                     host_share=shape.host_available // shape.local_ranks,
+                     gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0)  # fmt: skip
+    grad_on_nvme = plan.gradients_on_nvme
     swap = swap_need(plan, zero, layout, state_width=state_width, param_itemsize=width)
 
     # ---- parameters ----

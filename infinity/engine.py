@@ -342,7 +342,11 @@ class Engine(nn.Module):
                 tiled.manager.describe(),
             )  # fmt: skip
             if tiled.gradients is not None:
-                logger.info("gradients on nvme with the optimizer; rank 0 holds %s", tiled.gradients.manager.describe())
+                logger.info("gradients on nvme with the optimizer (more than a quarter of the host share); rank 0 "
+                            "holds %s", tiled.gradients.manager.describe())  # fmt: skip
+            elif zero.stage == 3 and zero.offload_optimizer.device == "nvme":
+                logger.info("gradients in host memory (a quarter of the host share holds them; they go to nvme "
+                            "with the optimizer when it does not)")  # fmt: skip
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
         if self.stage3 is None:
             claim_model(self.module, self, partitioned=False)
@@ -419,15 +423,16 @@ class Engine(nn.Module):
         zero = self.config.zero
         width = 0
         if optimizer is not None and zero.offload_optimizer.enabled:
-            width = 1 + len(rule_for(optimizer).states)
-            width += zero.stage == 3 and zero.offload_optimizer.device == "nvme"  # the gradient goes there too
-        self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
-                                    host_share=self.node.host_share, state_width=width)  # fmt: skip
+            width = 1 + len(rule_for(optimizer).states)  # master + states
         self._planned_units: tuple[tuple[int, int], ...] | None = None
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
-        if not self.node.paths:
+        layout = self._layout_sizes(optimizer) if self.node.paths else None
+        gradient_bytes = sum(layout.runs) * 4 if layout is not None and zero.stage == 3 else 0
+        self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
+                                    host_share=self.node.host_share, state_width=width,
+                                    gradient_bytes=gradient_bytes)  # fmt: skip
+        if layout is None:
             return
-        layout = self._layout_sizes(optimizer)
         need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)
         self.swap_need = need
         check_room(self.node, need.by_path(), what="initialize(): the run's NVMe swap files", detail=need.describe())

@@ -59,10 +59,11 @@ def parameter_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str
 
 def gradient_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str | None,
                   plan: Plan) -> TierManager | None:  # fmt: skip
-    """Stage 3 with the optimizer on NVMe: the gradient's tier ([Note: swapped gradients] in zero/grads.py), a
-    ring as deep as the optimizer's (a tile's gradient is read ahead with its states)."""
+    """Stage 3 with the optimizer on NVMe, where the plan put the gradient there too (it did not fit its part of
+    the host share): the gradient's tier ([Note: swapped gradients] in zero/grads.py), a ring as deep as the
+    optimizer's (a tile's gradient is read ahead with its states). None: the gradient stays in host memory."""
     spec = zero.offload_optimizer
-    if zero.stage != 3 or spec.device != "nvme":
+    if zero.stage != 3 or spec.device != "nvme" or not plan.gradients_on_nvme:
         return None
     return _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="gradients",
                          buffers=plan.optimizer_buffers, pin=spec.pin_memory)  # fmt: skip

@@ -15,13 +15,15 @@ for all of it: eight ranks on a node asked for twice its RAM. So the sizes come 
   the same gathered facts, so the numbers agree with no further collective.
 A rank's host share is the smallest, over the ranks, of its host's available memory divided by the ranks on that
 host: the minimum makes every rank agree, the division makes the ranks of a node share it. Of the share, a quarter
-holds the parameter pieces max_in_cpu keeps in host memory, and at most a sixteenth (and STAGING_BUDGET_BYTES)
-each of the NVMe staging rings (the parameters', the optimizer's with its gradients') and of the outsized pieces
-kept from the step to the next forward, and of a checkpoint's transfers in flight (save_checkpoint and
-load_checkpoint only, at most CHECKPOINT_IO_BYTES): half of the share in all, the rest is left to activations,
-gathered units, gradient buckets and the runtime. On a node with 4 GiB or more per rank the rings keep their
-full budget; on a very small share the optimizer's ring still holds tiles of MIN_TILE_NUMEL elements. At stages
-1-2 a tile's new weights travel in gathers of at most allgather_bucket_size elements (all ranks' parts together).
+holds the parameter pieces max_in_cpu keeps in host memory, another the reduced fp32 gradient at stage 3 with the
+optimizer on NVMe (``gradients_on_nvme``: when it does not fit there it goes to NVMe with the tiles), and at most a
+sixteenth (and STAGING_BUDGET_BYTES) each of the NVMe staging rings (the parameters', the optimizer's with its
+gradients') and of the outsized pieces kept from the step to the next forward, and of a checkpoint's transfers in
+flight (save_checkpoint and load_checkpoint only, at most CHECKPOINT_IO_BYTES): three quarters of the share at most,
+the rest is left to activations, gathered units, gradient buckets and the runtime. On a node with 4 GiB or more per
+rank the rings keep their full budget; on a very small share the optimizer's ring still holds tiles of
+MIN_TILE_NUMEL elements. At stages 1-2 a tile's new weights travel in gathers of at most allgather_bucket_size
+elements (all ranks' parts together).
 
 NVMe: the plan adds up every swap file's segments (each 4 KiB-aligned, as the store lays them out) for each
 rank, and ``check_room`` sets the ranks of each host against the free space of each filesystem before any
@@ -55,6 +57,7 @@ MAX_TILE_GATHERS = 2  # stages 1-2: gathers of new weights in flight at once (ze
 TILE_MULTIPLE = 64  # tiles are cut at multiples of 64 elements (zero/tiles.py, cut: SIMD lanes)
 NVME_ALIGN = 4096  # each segment of a swap file starts on a 4 KiB boundary (nvme_store.py)
 HOST_CACHE_PART = 4  # max_in_cpu's pieces: a quarter of the rank's host share
+GRADIENT_PART = 4  # stage 3, optimizer on NVMe: the reduced fp32 gradient stays in host memory within a quarter
 STAGING_PART = 16  # each staging ring, the outsized pieces' cache and a checkpoint's I/O: a sixteenth of it
 CHECKPOINT_IO_BYTES = 512 << 20  # the most a save or load has queued to the disk per rank
 INIT_DISK_RESERVE = 0.10  # zero.Init, which cannot know the model's size, never leaves less free than this
@@ -179,6 +182,7 @@ class Plan:
     tile_numel: int  # elements per optimizer tile (a multiple of TILE_MULTIPLE): every rank cuts the same tiles
     gather_numel: int  # stages 1-2: elements per rank in one all-gather of new weights (allgather_bucket_size)
     optimizer_buffers: int  # the optimizer's NVMe ring (and its gradients')
+    gradients_on_nvme: bool  # stage 3, optimizer on NVMe: the reduced gradient too (it did not fit GRADIENT_PART)
     param_buffers: int  # the parameters' NVMe ring
     checkpoint_io_bytes: int  # a save's or load's transfers in flight, at most (checkpoint/chunk_io.py)
 
@@ -187,21 +191,28 @@ class Plan:
         return min(zero.offload_param.max_in_cpu, self.host_cache_bytes // itemsize)
 
 
-def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: int) -> Plan:
-    """The sizes of a run. ``state_width``: fp32 tensors per element of an optimizer tile in host buffers (master
-    + optimizer states, + the gradient when it is on NVMe too: its ring is as deep); 0 without optimizer."""
+def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: int,
+              gradient_bytes: int = 0) -> Plan:  # fmt: skip
+    """The sizes of a run. ``state_width``: fp32 tensors per element of an optimizer tile (master + optimizer
+    states); 0 without optimizer. ``gradient_bytes``: the rank's reduced fp32 gradient (stage 3), which stays in
+    host memory when a quarter of the share holds it, as at stages 1-2, and goes to NVMe with the optimizer
+    otherwise (its ring is as deep as the tiles'). In memory it moves no bytes through the disk: on NVMe it is
+    written by backward and read by the step, 8 of the ~36 bytes a parameter moves per step."""
     staging = min(STAGING_BUDGET_BYTES, host_share // STAGING_PART)
     optimizer_buffers = max(zero.offload_optimizer.buffer_count, 3)  # one stepping, one reading, one writing
+    on_nvme = zero.offload_optimizer.device == "nvme" and state_width > 0
+    gradients_on_nvme = on_nvme and zero.stage == 3 and gradient_bytes > host_share // GRADIENT_PART
     tile = zero.sub_group_size
-    if zero.offload_optimizer.device == "nvme" and state_width:
-        cap = max(staging // (optimizer_buffers * state_width * 4), MIN_TILE_NUMEL)
+    if on_nvme:
+        width = state_width + gradients_on_nvme
+        cap = max(staging // (optimizer_buffers * width * 4), MIN_TILE_NUMEL)
         tile = min(tile, cap)
     tile = max(tile // TILE_MULTIPLE * TILE_MULTIPLE, TILE_MULTIPLE)
     return Plan(
         world_size=world_size, local_ranks=local_ranks, host_share=host_share,
         host_cache_bytes=host_share // HOST_CACHE_PART, staging_bytes=staging, tile_numel=tile,
         gather_numel=max(zero.allgather_bucket_size // world_size, 1), optimizer_buffers=optimizer_buffers,
-        param_buffers=max(zero.offload_param.buffer_count, 1),
+        gradients_on_nvme=gradients_on_nvme, param_buffers=max(zero.offload_param.buffer_count, 1),
         checkpoint_io_bytes=min(CHECKPOINT_IO_BYTES, host_share // STAGING_PART),
     )  # fmt: skip
 
@@ -310,9 +321,10 @@ class SwapNeed:
 
 def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width: int,
               param_itemsize: int) -> SwapNeed:  # fmt: skip
-    """Every segment of the rank's swap files, 4 KiB-aligned as the store lays them out: parameter pieces not
-    kept in host memory, the optimizer's tiles [master | states] and the gradient's (stage 3 with the optimizer
-    on NVMe). ``more_runs`` adds at most one segment each (a run cut in two has one more partial tile)."""
+    """Every segment of the rank's swap files, 4 KiB-aligned as the store lays them out: parameter pieces not kept
+    in host memory, the optimizer's tiles [master | states] (``state_width`` fp32 each) and the gradient's where the
+    plan put it on NVMe. ``more_runs`` adds at most one segment each (a run cut in two has one more partial
+    tile)."""
     param, opt = zero.offload_param, zero.offload_optimizer
     parameters = init = 0
     if param.device == "nvme":
@@ -325,10 +337,8 @@ def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width:
     optimizer = gradients = 0
     if opt.device == "nvme":
         tiles = tile_numels(layout.runs, plan.tile_numel)
-        grad_on_nvme = zero.stage == 3
-        width = state_width - (1 if grad_on_nvme else 0)  # master + states
-        optimizer = sum(round_up(n * width * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
-        if grad_on_nvme:
+        optimizer = sum(round_up(n * state_width * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
+        if plan.gradients_on_nvme:
             gradients = sum(round_up(n * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
     return SwapNeed(parameters=parameters, optimizer=optimizer, gradients=gradients, init=init,
                     param_path=param.nvme_path if param.device == "nvme" else None,

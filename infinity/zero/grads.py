@@ -1,13 +1,16 @@
-"""Stage 3 with the optimizer on NVMe: the rank's reduced gradient lives on NVMe too, tile by tile.
+"""Stage 3 with the optimizer on NVMe and a gradient too large for host memory: the rank's reduced gradient lives
+on NVMe too, tile by tile.
 
 [Note: swapped gradients]
 Without it the rank keeps its whole gradient shard in fp32 (4 bytes per element): on one rank as much as the
-parameters themselves in fp32, and the one part of the training state that would still grow with the model in
-host memory. Here each optimizer tile ([Note: tiles] in tiles.py) has a gradient segment in its own tier
-manager (a ring of tile-sized buffers as deep as the optimizer's, a swap store beside the optimizer's). When a
-unit's gradient has been reduce-scattered, its piece is cut along the unit's tiles: the first micro-step of an
-accumulation window writes each tile's part, later ones read, add and write it back. The step reads each tile's
-gradient ahead together with its master and states.
+parameters themselves in fp32, and the one part of the training state that would still grow with the model in host
+memory. Where a quarter of the rank's host share holds it, it stays there (the plan decides, on every rank alike:
+``gradients_on_nvme`` in memory/plan.py), because on NVMe it costs 8 bytes of disk traffic per element and step, a
+quarter of what the step moves: the same model on the same disk steps faster with it in memory. Here each optimizer
+tile ([Note: tiles] in tiles.py) has a gradient segment in its own tier manager (a ring of tile-sized buffers as
+deep as the optimizer's, a swap store beside the optimizer's). When a unit's gradient has been reduce-scattered, its
+piece is cut along the unit's tiles: the first micro-step of an accumulation window writes each tile's part, later
+ones read, add and write it back. The step reads each tile's gradient ahead together with its master and states.
 
 What the step needs of the whole gradient is computed as the pieces arrive at the boundary's backward: each
 unit piece's sum of squares (of the accumulated gradient, unscaled by the loss scale: for the global norm and

@@ -11,8 +11,9 @@ real disk); none may be left once the runs end.
 
 Covered (6 steps, gradient accumulation 2, clipping 1.0 unless said): the transformer at stages 1-3 with cpu and
 nvme, GPT-2 at stages 1-3 with nvme (AdamW from the config), the MLP at stages 1-3 with nvme; bf16 (transformer
-stage 2, GPT-2 stage 3, nvme); fp16 with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe keeps its gradient
-there too, [Note: swapped gradients]); many tiles per group (sub_group_size 64 and 100) with and without pipelined
+stage 2, GPT-2 stage 3, nvme); fp16 with overflow-skipped steps (stages 2 and 3: stage 3 on NVMe with its gradient there
+too, [Note: swapped gradients], forced in every stage-3 NVMe run but two, which keep it where the plan puts these
+models' gradients: in host memory); many tiles per group (sub_group_size 64 and 100) with and without pipelined
 reads and writes, which must also equal the one-tile run; torch.optim.SGD (momentum, dampening) and torch.optim.Adam
 (weight decay, amsgrad) passed to initialize(); two param groups (decay / no decay) so that stage 3's runs split by
 group; a WarmupLR scheduler, which must act on the offloaded run as on the plain one; GPT-2 at stage 3 without
@@ -25,6 +26,7 @@ clip coefficient) is summed over the same layout either way (test_stage3_grad_no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -39,6 +41,7 @@ from tests.distributed.training import (
     build,
     engine_config,
     global_batch,
+    gradients_on_nvme,
     loss_fn,
     own_pieces,
 )
@@ -64,6 +67,12 @@ class Run:
     param_device: str = "none"  # offload_param.device (stage 3)
     max_in_cpu: int = 0  # offload_param.max_in_cpu (nvme): 0 puts every piece on NVMe
     buffer_size: int | None = None  # offload_param.buffer_size (elements): pieces larger are read on demand
+    gradients: str = "nvme"  # stage 3 with the optimizer on NVMe: "nvme" forces the gradient there too (the
+    # swapped path), "plan" leaves it where the plan puts it (host memory: these models' gradients fit)
+
+    @property
+    def swapped_gradients(self) -> bool:
+        return self.stage == 3 and self.device == "nvme" and self.gradients == "nvme"
 
     @property
     def key(self) -> str:
@@ -86,12 +95,14 @@ class Run:
             parts.append(f"max_in_cpu{self.max_in_cpu}")
         if self.buffer_size is not None:
             parts.append(f"buffer{self.buffer_size}")
+        if self.stage == 3 and self.device == "nvme" and self.gradients != "nvme":
+            parts.append("grads-in-memory")
         return "-".join(parts)
 
     def without_offload(self) -> Run:
         return dataclasses.replace(
             self, device="none", param_device="none", sub_group_size=None, pipeline=False, max_in_cpu=0,
-            buffer_size=None,
+            buffer_size=None, gradients="nvme",
         )
 
     def config(self, world_size: int, nvme_path: str) -> dict:
@@ -168,6 +179,10 @@ OFFLOADED = (
     # at either world size); GPT-2 (its tied embedding kept), the transformer with the 2-buffer ring
     + [Run("gpt2", 3, "nvme", param_device="nvme", max_in_cpu=4000),
        Run("transformer", 3, "nvme", param_device="nvme", sub_group_size=64, pipeline=True, max_in_cpu=4000)]
+    # the runs above force stage 3's gradient onto NVMe with the tiles; where the plan leaves it (host memory,
+    # [Note: swapped gradients]): fp16's skipped steps with many pipelined tiles, and everything else on NVMe
+    + [Run("transformer", 3, "nvme", "fp16", sub_group_size=64, pipeline=True, gradients="plan"),
+       Run("gpt2", 3, "nvme", "bf16", param_device="nvme", gradients="plan")]
 )  # fmt: skip
 RUNS = {run.key: run for run in OFFLOADED}
 RUNS.update({run.without_offload().key: run.without_offload() for run in OFFLOADED})
@@ -198,9 +213,10 @@ def train(run: Run, *, rank: int, world_size: int, nvme_path: str) -> dict:
     model = build(run.model)
     params = param_groups(model, run.groups)
     optimizer = make_optimizer(run.optimizer, params, LR[run.model])
-    engine, *_ = infinity.initialize(
-        model=model, config=run.config(world_size, nvme_path), optimizer=optimizer, model_parameters=params
-    )
+    with gradients_on_nvme() if run.swapped_gradients else contextlib.nullcontext():
+        engine, *_ = infinity.initialize(
+            model=model, config=run.config(world_size, nvme_path), optimizer=optimizer, model_parameters=params
+        )
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     losses, norms, lrs = [], [], []
     for step in range(STEPS):
@@ -231,6 +247,7 @@ def train(run: Run, *, rank: int, world_size: int, nvme_path: str) -> dict:
         "home": None if tiled is None else tiled.manager.stats().held_bytes,
         "param_home": None if engine.stage3 is None else engine.stage3.table.shards.home.value,
         "param_split": param_split(engine),
+        "gradients_swapped": getattr(engine.zero_optimizer, "gradients", None) is not None,
     }
     with infinity.zero.GatheredParameters(list(engine.module.parameters())):
         result["params"] = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
@@ -328,6 +345,7 @@ def test_offload_is_bitwise_equal_to_no_offload(results, key):
         assert set(got["home"]) == {{"none": "device", "cpu": "host", "nvme": "nvme"}[run.device]}
         if run.stage == 3:
             assert got["param_home"] == {"none": "device", "cpu": "host", "nvme": "nvme"}[run.param_device]
+        assert got["gradients_swapped"] == run.swapped_gradients
         if run.sub_group_size is not None:
             assert got["tiles"] >= got["runs"] + 10, f"sub_group_size {run.sub_group_size}: only {got['tiles']} tiles"
         else:

@@ -27,6 +27,7 @@ import infinity
 from infinity.memory.host import process_status_bytes
 from infinity.memory.plan import HOST_MEMORY_ENV
 from tests.distributed.harness import run_distributed
+from tests.distributed.training import gradients_on_nvme
 
 WIDTH = 1024
 # Uneven units: each layer maps DIMS[i] -> DIMS[i + 1], so the units (one per Linear) differ in size.
@@ -107,6 +108,9 @@ def _runtime_baseline(nvme_path: str) -> int:
 
 def _train(*, rank: int, world_size: int, nvme_path: str, checkpoint: str) -> dict:
     os.environ[HOST_MEMORY_ENV] = str(NODE_MEMORY)
+    # The gradient (16M elements in fp32 per rank) would fit the quarter of the share the plan gives it in host
+    # memory; here it goes to NVMe with the optimizer, as a gradient larger than the host share would.
+    gradients_on_nvme().__enter__()
     torch.manual_seed(0)
     baseline = _runtime_baseline(nvme_path)
     _reset_peak()  # from here on: building, initialize(), training, a save and a load

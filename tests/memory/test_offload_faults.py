@@ -32,7 +32,16 @@ from safetensors.torch import load_file
 import infinity
 import infinity.zero
 from infinity.errors import AioError, ConfigError, ShortTransferError
-from tests.distributed.training import VOCAB, WEIGHT_DECAY, build, engine_config, global_batch, loss_fn, own_pieces
+from tests.distributed.training import (
+    VOCAB,
+    WEIGHT_DECAY,
+    build,
+    engine_config,
+    global_batch,
+    gradients_on_nvme,
+    loss_fn,
+    own_pieces,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "transformer"
@@ -119,10 +128,12 @@ def test_damaged_swap_file_fails_the_next_step_naming_it(nvme, damage, offload):
 
 
 def test_deleted_gradient_swap_file_fails_the_step_naming_it(nvme):
-    """Stage 3 keeps the gradient on NVMe beside the optimizer ([Note: swapped gradients]): its swap file deleted
+    """Stage 3 with the gradient on NVMe beside the optimizer ([Note: swapped gradients], where the plan puts a
+    gradient too large for host memory; forced here): its swap file deleted
     between steps fails the next step with an AioError naming it, and a retry fails the same way. (A truncated
     one is rewritten whole by the next backward before any read: nothing is lost.)"""
-    engine, *_ = infinity.initialize(model=build(MODEL), config=nvme_config(nvme, stage=3, **SERIAL))
+    with gradients_on_nvme():
+        engine, *_ = infinity.initialize(model=build(MODEL), config=nvme_config(nvme, stage=3, **SERIAL))
     try:
         train_step(engine, 0)
         (swap,) = sorted(Path(nvme).glob("infinity-*-gradients/rank0/swap"))
@@ -331,14 +342,15 @@ def test_host_memory_and_descriptors_stay_flat_over_50_steps(nvme):
 
 
 def test_stage3_on_nvme_host_memory_and_descriptors_stay_flat_over_200_steps(nvme):
-    """Stage 3 with parameters and optimizer states (and so the gradient) on NVMe, every piece read through the
+    """Stage 3 with parameters, optimizer states and the gradient (forced there) on NVMe, every piece read through the
     ring (max_in_cpu 0): after 20 warm-up steps, 200 more leave RSS within 8 MiB of where it was and flat over the
     last 100 (within 1 MiB; measured: +3 MiB over the first 100 steps as the allocator settles, +0.1 MiB over the
     last 100), with not one more open file descriptor or thread."""
     config = nvme_config(nvme, stage=3, sub_group_size=512, **PIPELINED)
     config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0,
                                                     "buffer_count": 4}  # fmt: skip
-    engine, *_ = infinity.initialize(model=build(MODEL), config=config)
+    with gradients_on_nvme():
+        engine, *_ = infinity.initialize(model=build(MODEL), config=config)
     try:
         stats = engine.tier_stats()
         assert set(stats["parameters"]["held_bytes"]) == {"nvme"} and set(stats["gradients"]["held_bytes"]) == {"nvme"}

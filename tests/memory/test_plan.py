@@ -18,7 +18,7 @@ from torch import nn
 
 import infinity
 from infinity.aio import buffers
-from infinity.config import ZeroConfig
+from infinity.config import OffloadOptimizerConfig, ZeroConfig
 from infinity.errors import ConfigError, TierBudgetError
 from infinity.memory import plan as memory_plan
 
@@ -122,6 +122,30 @@ def test_the_node_is_shared_by_its_ranks_and_every_rank_decides_alike():
     assert plan.checkpoint_io_bytes == 1 * MiB  # a save's transfers in flight share the node too
     roomy = memory_plan.make_plan(ZeroConfig(), world_size=1, local_ranks=1, host_share=1 << 40, state_width=3)
     assert roomy.checkpoint_io_bytes == memory_plan.CHECKPOINT_IO_BYTES
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_gradient_stays_in_host_memory_while_a_quarter_of_the_share_holds_it(stage):
+    """Pure: with the optimizer on NVMe, stage 3's reduced fp32 gradient goes to NVMe too only when it is larger
+    than a quarter of the rank's host share (its tiles then get a gradient ring, so they are cut smaller); the swap
+    files count it only then. Stages 1-2 keep it in host memory whatever its size."""
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path="/swap"))
+    share, tile_elements = 1024 * MiB, 1 << 22  # rings of 64 MiB: tiles above MIN_TILE_NUMEL either way
+    layout = memory_plan.LayoutSizes(runs=(tile_elements,) * 8)
+
+    def plan(gradient_bytes: int):
+        made = memory_plan.make_plan(zero, world_size=1, local_ranks=1, host_share=share, state_width=3,
+                                     gradient_bytes=gradient_bytes)  # fmt: skip
+        return made, memory_plan.swap_need(made, zero, layout, state_width=3, param_itemsize=4)
+
+    fits, fits_need = plan(share // 4)
+    larger, larger_need = plan(share // 4 + 1)
+    assert not fits.gradients_on_nvme and fits_need.gradients == 0
+    assert larger.gradients_on_nvme == (stage == 3)
+    if stage == 3:
+        assert larger_need.gradients > 0 and larger.tile_numel < fits.tile_numel  # 4 fp32 per element, not 3
+    else:
+        assert larger_need.gradients == 0 and larger.tile_numel == fits.tile_numel
 
 
 def test_a_save_and_a_load_queue_no_more_than_the_plan_allows(tmp_path, monkeypatch, one_thread):

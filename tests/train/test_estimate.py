@@ -46,8 +46,12 @@ def test_world_size_divides_the_states():
 
     one, two = at(1), at(2)
     assert two.total(Where.NVME) == pytest.approx(one.total(Where.NVME) / 2, rel=0.01)
-    # 124.4M parameters x (4 bytes of weights + 12 of master and Adam states + 4 of gradient), on NVMe
-    assert one.total(Where.NVME) == pytest.approx(124.4e6 * 20, rel=0.01)
+    # 124.4M parameters x (4 bytes of weights + 12 of master and Adam states), on NVMe, and 4 of gradient: on NVMe
+    # too where a quarter of the host share does not hold it (the plan's gradients_on_nvme), else in host memory
+    (gradient,) = [row for row in one.rows if row.what.startswith("reduced fp32 gradient")]
+    assert gradient.where in ({Where.NVME} if one.plan.gradients_on_nvme else {Where.HOST, Where.HOST_PINNED})
+    assert gradient.nbytes == pytest.approx(124.4e6 * 4, rel=0.01)
+    assert one.total(Where.NVME) == pytest.approx(124.4e6 * (16 + 4 * one.plan.gradients_on_nvme), rel=0.01)
 
 
 @pytest.mark.parametrize("argv,message", [
