@@ -180,12 +180,13 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
     move_missing = originals["_move_missing_keys_from_meta_to_device"]
     initialize_missing = originals["_initialize_missing_keys"]
 
-    def init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels):
+    def init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels, *more, **named):
+        # ``more``, ``named``: what later releases add, passed on as given (5.25 adds the model's config)
         config = live_config()
         if config is None or not config.is_zero3() or is_quantized:
-            return get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels)
+            return get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels, *more, **named)
         _check_no_deepspeed_zero3()  # before the original, whose DeepSpeed branch would import deepspeed
-        contexts = get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels)
+        contexts = get_init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels, *more, **named)
         contexts = [c for c in contexts if not (isinstance(c, torch.device) and c.type == "meta")]
         if not _is_ds_init_called:  # else an enclosing model's zero.Init partitions this one too
             contexts += [no_init_weights(), Init(config=config.config), modeling_utils.set_zero3_state()]
