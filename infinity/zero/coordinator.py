@@ -158,6 +158,8 @@ class Coordinator:
         # that says it is done has launched every reduction ([Note: launch order] in reducer.py)
         self.one_order = False  # each reduction in the pass launched at an exchange, so every collective is issued
         # in one order on every rank (NCCL: [Note: one collective order] in rendezvous.py)
+        self.after_pass: Callable[[], None] | None = None  # what the pass's hooks leave behind goes (stage3.py,
+        # [Note: multi-grad hooks])
         self._reset_pass(grad_mode=True)
 
     # ---- pass boundaries ----
@@ -198,6 +200,8 @@ class Coordinator:
             self._seen_signatures.add(signature)
             self._traces[mode] = recorded
         self.in_pass = False
+        if self.after_pass is not None:
+            self.after_pass()
         self.stats.passes = 1
         self.step_stats.merge(self.stats)
 
