@@ -4,11 +4,6 @@ The public names load on first use (PEP 562): `import infinity` alone does not l
 torch, so `infinity report` and `infinity --version` still run where the core failed to build, and say so."""
 
 import importlib
-import os
-
-# torch reads this once, at its first host allocation: set before any tensor exists (memory/host.py [Note: huge
-# pages]); a user's own setting stands.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from infinity.errors import (
     AioError,

@@ -6,35 +6,38 @@ which blocks that size come from the heap, where freed memory stays in the proce
 Fixing the threshold stops the adjustment, so the process behaves the same from its first step.
 
 Where it is fixed matters. A low threshold (1 MiB) hands every freed activation, gradient and buffer back to the
-kernel, which faults the next one in page by page: measured on GPT-2 (6 blocks, fp32, stage 3, world size 1),
-1.43 M minor faults and 5.7 s of system time per 11 s step, against 0.72 M at 32 MiB (the step's optimizer part
-from 158 k faults to 0, backward from 825 k to 450 k); plain PyTorch takes 0.39 M. But at stage 3 the heap
-grows instead (``threshold_for``), so only stages 0-2 in memory take 32 MiB; stage 3, anything on NVMe and
-zero.Init's build ([Note: zero.Init memory] in zero/init.py) keep 1 MiB, and the engine's own large buffers are
-reused by their owners (gathered units: memory/pool.py), not by malloc. The user's own setting (the environment
-variable MALLOC_MMAP_THRESHOLD_) is left alone.
+kernel, which faults the next one in page by page and zeroes it: measured on GPT-2 small (bf16, world size 1,
+stage 3 with parameters and optimizer in host memory), 3.68 s per step at 32 MiB against 5.24 s at 1 MiB (forward
+1.46 against 2.08 s, 0.23 against 1.08 s of it system time), peak RSS 4.85 against 4.15 GiB. So training in
+memory, at every stage, takes 32 MiB (``threshold_for``); with anything on NVMe, and while zero.Init builds a
+model ([Note: zero.Init memory] in zero/init.py), 1 MiB stays: there the run's host budget holds only if freed
+blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2: 183 MiB above the runtime
+at 32 MiB against 144 allowed, 130-139 at 1 MiB). The engine's own large buffers are reused by their owners
+whatever the threshold (gathered units: memory/pool.py). The user's own setting (the environment variable
+MALLOC_MMAP_THRESHOLD_) is left alone.
+
+Stage 3 used to keep 1 MiB in memory too, because at 32 MiB its heap grew by 150-350 MiB a step with only ~0.3
+GiB in use: torch's multi-grad hooks, left on the step's activations, kept a few hundred small objects alive
+among them, so freed activations could not be joined again ([Note: multi-grad hooks] in zero/stage3.py). With
+the hooks removed at the end of each pass the heap stays flat, as plain PyTorch's does.
 
 [Note: huge pages]
-Whatever the threshold, a block glibc maps for itself is faulted in by the kernel 4 KiB at a time, and autograd
-makes such blocks every step (each weight's gradient, an embedding's dense gradient): on a 384M-parameter Llama
-shape with everything on NVMe, 0.95 M minor faults per step, 23% of the pages the step moves, and on GPT-2 (6
-blocks, fp32, stage 3) 1.1 M. torch's own THP_MEM_ALLOC_ENABLE asks for transparent huge pages (madvise) on its
-host blocks of 2 MiB and more, so each fault inside them maps 2 MiB: measured, 18-25 k faults per step on the
-Llama shape (0.5% of the pages moved) and 0.23 M on GPT-2, at the same peak RSS, system time 7-10 s -> 5-8 s
-per step. torch aligns such a block to the 4 KiB page only, not to 2 MiB, so the parts of it outside whole
-aligned 2 MiB ranges still fault 4 KiB at a time: measured with a 1 MiB threshold, a 3 MiB block takes 261
-faults (one huge page), 4 MiB 515, 12 MiB 518 (five huge pages). Large gradients gain almost everything, a
-block of a few MiB (GPT-2's activations: ~0.2 M faults per stage-3 step, against 23 k with the threshold at
-32 MiB, which costs ~1.4 GiB of peak RSS for no measurable step time) little. torch reads the variable once,
-at its first host allocation, so ``import infinity`` sets it (unless the user has) and it takes effect where
-infinity is imported before any tensor is made (the CLI, a script that imports it first); ``huge_pages`` probes
-whether it did, and the engine says once how to get it if not. Where the kernel has transparent huge pages off
-(``never``) nothing changes.
+torch's THP_MEM_ALLOC_ENABLE=1 asks for transparent huge pages (madvise) on its host blocks of 2 MiB and more,
+allocated 4 KiB-aligned: fewer faults (each maps 2 MiB), the same zeroing. infinity used to set it on import;
+it no longer does, because on the machines measured it cost time in every mode and heap in some: GPT-2 small,
+bf16, world size 1, per step, with it against without: stage 3 + cpu offload 5.94 against 5.24 s at 1 MiB and
+4.58 against 3.68 s at 32 MiB (where the aligned blocks inside the heap also fragment it: peak RSS 5.48 against
+4.85 GiB, and each such block is an madvise call), stage 3 + NVMe 7.3 against 5.9-6.9 s, stage 2 4.42 against
+4.25 s (peak RSS 5.69 against 5.11 GiB); a 374M-parameter Llama shape with everything on NVMe 5.42 against 5.21 s.
+What it does buy is the fault count of large fresh blocks (that Llama run: 0.32 M minor faults in all against
+3.4 M), so a user who counts faults can still set it; torch reads it once, at its first host allocation, so it
+must be set before any tensor is made, and the engine says once when it was set but came too late (``huge_pages``
+probes it). Where the kernel has transparent huge pages off (``never``) nothing changes.
 
-Blocks allocated before that (the user's model, built before initialize()) may sit in the heap: once
-initialize() has moved their values into the shards and freed them, ``trim_heap`` gives their pages back
-(malloc_trim releases free pages anywhere in the heap, not only at its top). Measured: a 96 MiB MLP built in the
-heap stayed in RSS after its parameters went to NVMe, until trimmed.
+Blocks allocated before initialize() (the user's model, built before it) may sit in the heap: once initialize()
+has moved their values into the shards and freed them, ``trim_heap`` gives their pages back (malloc_trim
+releases free pages anywhere in the heap, not only at its top). Measured: a 96 MiB MLP built in the heap stayed
+in RSS after its parameters went to NVMe, until trimmed.
 """
 
 from __future__ import annotations
@@ -75,15 +78,10 @@ def trim_heap() -> bool:
     return bool(trim is not None and trim(0))
 
 
-def threshold_for(*, stage: int, on_nvme: bool) -> int:
-    """The engine's threshold. Stages 0-2 in memory: reuse (the step's buffers and activations stay mapped).
-    Stage 3, and anything on NVMe: freed blocks go back, because glibc's heap does not reuse the holes that
-    64-byte-aligned blocks leave for blocks of their own size, so the heap grows instead: measured, the
-    host-budget test's peak went from 122 to 229 MiB above the runtime at 32 MiB, and GPT-2 (6 blocks, fp32,
-    world size 1) at stage 3 from 2.91 to 5.90 GiB peak RSS (stage 3 + cpu offload 3.21 -> 7.11 GiB) for a step
-    5% faster (10.94 -> 10.35 s) or none (10.97 -> 11.19 s). Stage 3's own large buffers are reused by their
-    owners instead (memory/pool.py)."""
-    return REUSE_THRESHOLD_BYTES if stage < 3 and not on_nvme else RETURN_THRESHOLD_BYTES
+def threshold_for(*, on_nvme: bool) -> int:
+    """The engine's threshold (module docstring): in memory, at any stage, freed blocks stay for reuse; with
+    anything on NVMe they go back, so the host budget holds."""
+    return RETURN_THRESHOLD_BYTES if on_nvme else REUSE_THRESHOLD_BYTES
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
@@ -126,16 +124,17 @@ def huge_pages() -> bool:
 
 
 def say_huge_pages() -> None:
-    """Once per process: how to get huge pages where the kernel has them and torch's tensors do not."""
+    """Once per process, where the user asked for huge pages (THP_MEM_ALLOC_ENABLE=1) and the kernel has them but
+    torch's tensors are not on them: the setting came after torch's first tensor, and how to get it."""
     global _said_huge_pages
-    if _said_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # the user's choice, said or not
+    if _said_huge_pages or os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # not asked for: nothing to say
         return
     _said_huge_pages = True  # probed once per process
     if not kernel_huge_pages() or huge_pages():
         return
     logger.info(
-        "torch's host tensors are on 4 KiB pages (one page fault per 4 KiB of every gradient autograd makes): "
-        "import infinity before any tensor is made, or start with THP_MEM_ALLOC_ENABLE=1, for huge pages"
+        "THP_MEM_ALLOC_ENABLE=1 is set but torch's host tensors are on 4 KiB pages: torch read the setting at its "
+        "first tensor, before it was set; set it before any tensor is made (or start with it) for huge pages"
     )
 
 

@@ -20,9 +20,8 @@ A gather and a release happen for every unit twice a step, amid the step's activ
 small objects that outlive the phase they are made in (a view per parameter, a 0-element placeholder per
 parameter, a 0-byte storage for the pool's swap), which the C library places among the activations' blocks. The
 views into ``full`` (valid for its whole life: its storage keeps its identity), the placeholders and the pool's
-empty storages are made once and handed out again instead. It is not what grows the heap at a 32 MiB mmap
-threshold (memory/host.py): measured on GPT-2 small at stage 3 (bf16, world size 1), the heap grows by 150-350 MiB
-a step with or without it, which is why stage 3 keeps the 1 MiB threshold.
+empty storages are made once and handed out again instead. (What grew stage 3's heap at a 32 MiB mmap
+threshold was another leftover: [Note: multi-grad hooks] in stage3.py.)
 
 The units double as the buckets of gradient reduction: ``layout`` is one GroupLayout whose buckets are the
 units, in unit order, so GradientReducer reduce-scatters each unit's gradient into the rank's piece.
