@@ -6,7 +6,8 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
 - model states: the compute-dtype parameters (whole at stages 0-2; the rank's pieces at stage 3, plus the
   persistent small ones whole), the fp32 masters (in fp32 without optimizer offload the weights themselves are
   the masters: no copy), the optimizer states (Adam 2, SGD with momentum 1 fp32 per element), the reduced fp32
-  gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names;
+  gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names (the
+  gradient at stage 3 with the optimizer on NVMe: in host memory while a quarter of the host share holds it);
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
   ring of tiles, and the gradient's ring when the plan sends the gradient to NVMe with it), and the pieces too

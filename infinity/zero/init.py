@@ -30,7 +30,8 @@ a 64-byte-aligned 16 MiB request from a heap hole only if the hole is larger tha
 partitioned layer leaves behind are never reused (measured: 32 layers of 16 MiB built under Init peaked at 2x
 the model in one process). Entering the context therefore fixes glibc's mmap threshold at 1 MiB
 (infinity/memory/host.py): allocations from 1 MiB up are mmap-backed and return to the system when freed. The
-engine's initialize() raises it to 32 MiB for the steps, whose buffers are reused rather than returned.
+engine's initialize() raises it to 32 MiB for the steps of a run in memory, whose buffers are reused rather than
+returned (with anything on NVMe 1 MiB stays).
 """
 
 from __future__ import annotations

@@ -191,7 +191,9 @@ class Stage3:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.coordinator.reduction_peaks = self.coordinator.before_drain = None
+        if self.coordinator.after_pass is not None:
+            self.coordinator.after_pass()  # a pass that never ended leaves its multi-grad hooks otherwise
+        self.coordinator.reduction_peaks = self.coordinator.before_drain = self.coordinator.after_pass = None
         self.coordinator.close()
         self.table.shards.close()
         self.table.pool.clear()

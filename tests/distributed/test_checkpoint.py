@@ -20,6 +20,7 @@ Three spawns in all (two at world size 2, one at world size 1); swap files and c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -30,7 +31,7 @@ import infinity.zero
 from infinity.checkpoint.manifest import Manifest
 from infinity.checkpoint.zarr_store import read_array_meta, read_range
 from tests.distributed.harness import run_distributed
-from tests.distributed.training import SEQ, VOCAB, build, engine_config, global_batch, loss_fn
+from tests.distributed.training import SEQ, VOCAB, build, engine_config, global_batch, gradients_on_nvme, loss_fn
 
 SAVE_AT, AFTER = 5, 5
 MICRO, ACCUMULATION = 2, 2
@@ -84,10 +85,15 @@ def _dataset() -> torch.utils.data.TensorDataset:
 
 
 def _engine(mode: Mode, swap: str, *, world_size: int = 2, data: bool = True):
-    engine, _, loader, _ = infinity.initialize(
-        model=build(mode.model), config=_config(mode, swap, world_size=world_size),
-        training_data=_dataset() if data else None,
-    )  # fmt: skip
+    # fp16 at stage 3 on NVMe: its gradient goes to NVMe with the optimizer ([Note: swapped gradients]), as for a
+    # model whose gradient the host share does not hold; the other stage-3 NVMe mode keeps it where the plan does
+    swapped = mode.stage == 3 and mode.device == "nvme" and mode.precision == "fp16"
+    with gradients_on_nvme() if swapped else contextlib.nullcontext():
+        engine, _, loader, _ = infinity.initialize(
+            model=build(mode.model), config=_config(mode, swap, world_size=world_size),
+            training_data=_dataset() if data else None,
+        )  # fmt: skip
+    assert (getattr(engine.zero_optimizer, "gradients", None) is not None) == swapped
     return engine, loader
 
 

@@ -6,6 +6,7 @@ Each case runs the engine in real processes (gloo) and compares it with plain Py
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from torch.nn import functional as F
 import infinity
 import infinity.zero
 from tests.distributed.harness import run_distributed
+from tests.distributed.training import gradients_on_nvme
 
 RTOL = 1e-5
 STEPS = 6
@@ -180,10 +182,13 @@ def optimized(model: nn.Module, subset: str) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _engine_run(rank: int, world_size: int, name: str, config: dict, subset: str = "all", steps: int = STEPS):
+def _engine_run(rank: int, world_size: int, name: str, config: dict, subset: str = "all", steps: int = STEPS,
+                swapped_gradients: bool = False):  # fmt: skip
     model = build(name)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = infinity.initialize(model=model, config=config, model_parameters=optimized(model, subset))
+    with gradients_on_nvme() if swapped_gradients else contextlib.nullcontext():
+        engine, *_ = infinity.initialize(model=model, config=config, model_parameters=optimized(model, subset))
+    assert (getattr(engine.zero_optimizer, "gradients", None) is not None) == swapped_gradients
     losses, peaks, buffer_peaks = [], [], []
     reducer = engine.zero_optimizer.reducer
     for step in range(steps):
@@ -267,14 +272,16 @@ def test_stage3_matches_plain_pytorch(name, world_size, tmp_path):
 @pytest.mark.parametrize(("name", "subset"), [("lora", "all"), ("scaled-frozen-reentrant", "all"),
                                             ("unused", "all"), ("scaled-frozen", "last")])  # fmt: skip
 def test_stage3_with_everything_on_nvme_matches_plain_pytorch(name, subset, tmp_path):
-    """The same breakages with parameters, optimizer states and gradients on NVMe ([Note: swapped gradients]):
-    frozen units, an unused layer, reentrant checkpointing, parameters outside the optimizer."""
+    """The same breakages with parameters, optimizer states and gradients on NVMe ([Note: swapped gradients]; the
+    gradient forced there, as for a model whose gradient the host share does not hold): frozen units, an unused
+    layer, reentrant checkpointing, parameters outside the optimizer."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     offload = {"device": "nvme", "nvme_path": str(nvme)}
     cfg = config(3, offload_optimizer=offload, offload_param={**offload, "max_in_cpu": 0})
     results = run_distributed(
-        _engine_run, 2, workdir(tmp_path, "run"), timeout_s=180, name=name, config=cfg, subset=subset
+        _engine_run, 2, workdir(tmp_path, "run"), timeout_s=180, name=name, config=cfg, subset=subset,
+        swapped_gradients=True,
     )
     ref_losses, ref_params = reference(name, 2, subset=subset)
     for result in results:

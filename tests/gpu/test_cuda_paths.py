@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 import infinity
 import infinity.zero
+from tests.distributed.training import gradients_on_nvme
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -166,14 +167,16 @@ def test_stage_in_copies_run_on_the_side_stream(tmp_path, monkeypatch, param_dev
 
 
 def test_nvme_gradients_accumulate_on_cuda(tmp_path):
-    """Stage 3 with the optimizer on NVMe keeps the gradient there ([Note: swapped gradients]): with two micro-steps
-    per step the second reduced piece (on the device) is added to the first one read back into a host buffer."""
+    """Stage 3 with the gradient on NVMe with the optimizer ([Note: swapped gradients]; forced: this model's
+    gradient would fit the host share): with two micro-steps per step the second reduced piece (on the device) is
+    added to the first one read back into a host buffer."""
     zero = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True},
             "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "max_in_cpu": 0}}
     settings = config(3, **zero)
     settings["train_micro_batch_size_per_gpu"] = MICRO // 2
     settings["gradient_accumulation_steps"] = 2
-    engine, *_ = infinity.initialize(model=mlp(), config=settings)
+    with gradients_on_nvme():
+        engine, *_ = infinity.initialize(model=mlp(), config=settings)
     assert "gradients" in engine.tier_stats()
     losses = []
     for x, y in batches():

@@ -152,3 +152,31 @@ def test_gradient_buckets_and_outsized_nvme_pieces_reuse_their_buffers(tmp_path)
     assert stats["grad_buffers_made"] == 0 and stats["outsized_buffers_made"] == 0, stats
     first = second_step_stats(steps=1, offload_param=offload)
     assert first["grad_buffers_made"] > 0 and first["outsized_buffers_made"] > 0, first
+
+
+def test_a_pass_leaves_none_of_its_hooks_on_the_activations():
+    """[Note: multi-grad hooks] in stage3.py: the hooks the engine puts on a module's inputs in forward (to know
+    when the module's backward is done) are gone once the pass has ended, after backward and after a forward with
+    gradients whose backward never came; left there, each step's kept its autograd nodes alive and fragmented
+    the heap."""
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    model = deep_mlp()
+    engine, *_ = infinity.initialize(model=model, config=config)
+    seen: list[torch.Tensor] = []
+    watch = model[2].register_forward_pre_hook(lambda module, args: seen.append(args[0]))  # after the engine's
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+            engine.step()
+        engine(torch.randn(4, 32))  # no backward: the next forward ends this pass
+        engine.backward(engine(torch.randn(4, 32)).pow(2).mean())
+        engine.step()
+    finally:
+        watch.remove()
+        engine.destroy()
+    assert len(seen) == 4 and all(tensor.requires_grad for tensor in seen)
+    assert all(not tensor._backward_hooks for tensor in seen), [len(t._backward_hooks or ()) for t in seen]
