@@ -47,10 +47,13 @@ MODES = ["pytorch-ddp", "fsdp2", "fsdp2-cpu-offload", *(f"deepspeed-{m}" for m i
          *(f"infinity-{m}" for m in ZERO_MODES)]  # fmt: skip
 
 
-# DeepSpeed's parameter swapper takes one buffer per parameter it swaps in, and with the shared JSON's offload_param
-# (buffer_count 5) its stage-3 nvme mode stops at the first prefetch here ("Not enough buffers 0 for swapping 1"):
-# it runs with more buffers, each the size of the largest parameter (GPT-2's embedding, 38.6M elements).
-DEEPSPEED_OVERRIDES = {"deepspeed-stage3-nvme": {"buffer_count": 16, "buffer_size": 40_000_000}}
+# DeepSpeed's parameter swapper takes one buffer per parameter it swaps in and holds it while the parameter is
+# gathered; with the shared JSON's offload_param (buffer_count 5) its stage-3 nvme mode stops at the first prefetch
+# here ("Not enough buffers 0 for swapping 1"). With the default stage3_max_reuse_distance every partitioned
+# parameter stays gathered from its forward to its backward, so it needs one buffer per partitioned parameter (GPT-2
+# small: 4 per block and the two embeddings, 50; 16 stopped the same way at 12 blocks), each the size of the
+# largest (the embedding, 38.6M elements): it runs with 56.
+DEEPSPEED_OVERRIDES = {"deepspeed-stage3-nvme": {"buffer_count": 56, "buffer_size": 40_000_000}}
 
 
 def ds_config(mode: str, nvme_path: str, dtype: str) -> dict:
@@ -141,7 +144,7 @@ def worker(args) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if args.mode.startswith("infinity-"):
-        import infinity  # noqa: F401  (before the model's tensors, as a user's script: memory/host.py huge pages)
+        import infinity  # noqa: F401  (before the model's tensors, as a user's script would)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(max(1, args.threads // world_size))
@@ -177,7 +180,7 @@ def deepspeed_available() -> bool:
 def _env(world_size: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // world_size)), "DS_ACCELERATOR": "cpu"}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)  # each peer's own allocator settings (infinity's workers set
-    env.pop("THP_MEM_ALLOC_ENABLE", None)  # theirs as they import it: memory/host.py [Note: huge pages])
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # torch's default for every peer: memory/host.py [Note: huge pages])
     return env
 
 
