@@ -380,7 +380,7 @@ class Engine(nn.Module):
         self.compute_dtype = compute_dtype(self.config)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
-        fix_mmap_threshold(threshold_for(on_nvme=on_nvme))  # memory/host.py
+        fix_mmap_threshold(threshold_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py
         say_huge_pages()  # [Note: huge pages] in memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():

@@ -6,15 +6,17 @@ which blocks that size come from the heap, where freed memory stays in the proce
 Fixing the threshold stops the adjustment, so the process behaves the same from its first step.
 
 Where it is fixed matters. A low threshold (1 MiB) hands every freed activation, gradient and buffer back to the
-kernel, which faults the next one in page by page and zeroes it: measured on GPT-2 small (bf16, world size 1,
-stage 3 with parameters and optimizer in host memory), 3.68 s per step at 32 MiB against 5.24 s at 1 MiB (forward
-1.46 against 2.08 s, 0.23 against 1.08 s of it system time), peak RSS 4.85 against 4.15 GiB. So training in
-memory, at every stage, takes 32 MiB (``threshold_for``); with anything on NVMe, and while zero.Init builds a
-model ([Note: zero.Init memory] in zero/init.py), 1 MiB stays: there the run's host budget holds only if freed
-blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2: 183 MiB above the runtime
-at 32 MiB against 144 allowed, 130-139 at 1 MiB). The engine's own large buffers are reused by their owners
-whatever the threshold (gathered units: memory/pool.py). The user's own setting (the environment variable
-MALLOC_MMAP_THRESHOLD_) is left alone.
+kernel, which faults the next one in page by page and zeroes it: measured on GPT-2 small (bf16, world size 1, stage
+3 with parameters and optimizer in host memory), 3.68 s per step at 32 MiB against 5.24 s at 1 MiB (forward 1.46
+against 2.08 s, 0.23 against 1.08 s of it system time), peak RSS 4.85 against 4.15 GiB. So training in memory, at
+every stage, takes 32 MiB (``threshold_for``), and so does a run with anything on NVMe whose rank has 4 GiB or more
+of host memory (GPT-2 small with everything on NVMe: 4.68 s per step at 32 MiB against 7.40 s, peak RSS 3.36 against
+2.70 GiB; 1.4 M minor faults and 3.4 s of system time per step at 1 MiB). On a smaller share, and while zero.Init
+builds a model ([Note: zero.Init memory] in zero/init.py), 1 MiB stays: there the run's host budget holds only if
+freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on a 512 MiB node: 183
+MiB above the runtime at 32 MiB against 144 allowed, 130-139 at 1 MiB). The engine's own large buffers are reused by
+their owners whatever the threshold (gathered units: memory/pool.py). The user's own setting (the environment
+variable MALLOC_MMAP_THRESHOLD_) is left alone.
 
 Stage 3 used to keep 1 MiB in memory too, because at 32 MiB its heap grew by 150-350 MiB a step with only ~0.3
 GiB in use: torch's multi-grad hooks, left on the step's activations, kept a few hundred small objects alive
@@ -56,6 +58,8 @@ logger = logging.getLogger("infinity")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 REUSE_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: freed blocks stay for reuse
 RETURN_THRESHOLD_BYTES = 1 << 20  # freed blocks from 1 MiB up go back to the kernel
+REUSE_SHARE_BYTES = 4 << 30  # with NVMe, a rank's host share from which freed blocks stay (the share at which the
+# plan's staging rings have their full budget: memory/plan.py)
 BUILD_THRESHOLD_BYTES = RETURN_THRESHOLD_BYTES  # zero.Init: freed parameters go back ([Note: zero.Init memory])
 _fixed: int | None = None
 _said_huge_pages = False
@@ -78,10 +82,13 @@ def trim_heap() -> bool:
     return bool(trim is not None and trim(0))
 
 
-def threshold_for(*, on_nvme: bool) -> int:
+def threshold_for(*, on_nvme: bool, host_share: int) -> int:
     """The engine's threshold (module docstring): in memory, at any stage, freed blocks stay for reuse; with
-    anything on NVMe they go back, so the host budget holds."""
-    return RETURN_THRESHOLD_BYTES if on_nvme else REUSE_THRESHOLD_BYTES
+    anything on NVMe too where the rank's host share is at least REUSE_SHARE_BYTES, else they go back, so a small
+    host budget holds. ``host_share`` is the plan's, the same on every rank of a node."""
+    if on_nvme and host_share < REUSE_SHARE_BYTES:
+        return RETURN_THRESHOLD_BYTES
+    return REUSE_THRESHOLD_BYTES
 
 
 def fix_mmap_threshold(nbytes: int) -> bool:
