@@ -131,19 +131,24 @@ def _estimate_within_15_percent(measured: dict, *, world_size: int = 1, host_mem
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_cleanly(tmp_path, signum, code):
-    swap = tmp_path / "swap"
+    """The signal lands inside the training loop (a step line is out: the swap files exist, whichever tiers the
+    plan chose) and the run stops with the shell's code, a message and no swap files left behind."""
+    swap, log = tmp_path / "swap", tmp_path / "stderr.log"
     command = [sys.executable, "-m", "infinity", "train", "--config", NVME_CONFIG, *SMALL, "--steps", "100000",
                "--nvme-path", str(swap)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    deadline = time.monotonic() + 180
-    while sum(os.path.basename(path) == "swap" for path in _swap_left(str(swap))) < 3:  # the engine is built
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the run never started training: {process.communicate()[1][-3000:]}")
-        time.sleep(0.2)
-    time.sleep(1.5)  # into the loop
-    process.send_signal(signum)
-    out, err = process.communicate(timeout=60)
+    with open(log, "w") as stderr:  # a file, not a pipe: nothing blocks the run while the test waits
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=_env())
+        deadline = time.monotonic() + 180
+        while not re.search(r"\] step \d+: loss", log.read_text()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                pytest.fail(f"the run never started training: {log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        assert _swap_left(str(swap)), "training without its swap files"
+        process.send_signal(signum)
+        process.wait(timeout=60)
+    err = log.read_text()
     assert process.returncode == code, err[-3000:]
     assert "Traceback" not in err and "interrupted after" in err, err[-3000:]
     assert _swap_left(str(swap)) == []
