@@ -27,7 +27,7 @@ from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import fix_mmap_threshold, say_huge_pages, threshold_for, trim_heap
+from infinity.memory.host import fix_heap_policy, policy_for, say_huge_pages, trim_heap
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
@@ -380,7 +380,7 @@ class Engine(nn.Module):
         self.compute_dtype = compute_dtype(self.config)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
-        fix_mmap_threshold(threshold_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py
+        fix_heap_policy(policy_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py
         say_huge_pages()  # [Note: huge pages] in memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
@@ -780,6 +780,7 @@ class Engine(nn.Module):
         for an engine still alive then, so a script may simply end."""
         _remove_hooks(self.zero_optimizer, self.stage3)
         self.distributed.close()
+        trim_heap()  # the freed blocks the heap policy kept for the next step (memory/host.py)
 
 
 def _numel(param: nn.Parameter) -> int:

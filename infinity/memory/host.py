@@ -1,27 +1,37 @@
-"""Host memory the allocator keeps: glibc's mmap threshold fixed, at 32 MiB or 1 MiB by what the run holds.
+"""Host memory the allocator keeps: freed blocks stay in the process for the next step, or go back to the kernel.
 
 glibc serves a block of at least M_MMAP_THRESHOLD bytes with its own mmap and unmaps it when freed; by default
-the threshold starts at 128 KiB and rises to the size of any such block freed (up to 32 MiB on 64-bit), after
-which blocks that size come from the heap, where freed memory stays in the process for the next allocation.
-Fixing the threshold stops the adjustment, so the process behaves the same from its first step.
+the threshold starts at 128 KiB and rises to the size of any such block freed (up to 32 MiB on 64-bit, its
+largest), after which blocks that size come from the heap, where freed memory stays for the next allocation.
+A block above 32 MiB is always a fresh mapping, which the kernel faults in page by page and zeroes, and every
+step of a training run frees and allocates such blocks (GPT-2 small: the logits, their fp32 copy for the loss,
+log-softmax and their gradients, 100-200 MiB each): ~420 k minor faults and ~1 s of system time per step, in
+plain PyTorch, FSDP2 and DeepSpeed alike.
 
-Where it is fixed matters. A low threshold (1 MiB) hands every freed activation, gradient and buffer back to the
-kernel, which faults the next one in page by page and zeroes it: measured on GPT-2 small (bf16, world size 1, stage
-3 with parameters and optimizer in host memory), 3.68 s per step at 32 MiB against 5.24 s at 1 MiB (forward 1.46
-against 2.08 s, 0.23 against 1.08 s of it system time), peak RSS 4.85 against 4.15 GiB. So training in memory, at
-every stage, takes 32 MiB (``threshold_for``), and so does a run with anything on NVMe whose rank has 4 GiB or more
-of host memory (GPT-2 small with everything on NVMe: 4.68 s per step at 32 MiB against 7.40 s, peak RSS 3.36 against
-2.70 GiB; 1.4 M minor faults and 3.4 s of system time per step at 1 MiB). On a smaller share, and while zero.Init
-builds a model ([Note: zero.Init memory] in zero/init.py), 1 MiB stays: there the run's host budget holds only if
-freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on a 512 MiB node: 183
-MiB above the runtime at 32 MiB against 144 allowed, 130-139 at 1 MiB). The engine's own large buffers are reused by
-their owners whatever the threshold (gathered units: memory/pool.py). The user's own setting (the environment
-variable MALLOC_MMAP_THRESHOLD_) is left alone.
+The engine therefore chooses one of two heap policies for its steps (``policy_for``):
+- KEEP: no block is mapped on its own (M_MMAP_MAX 0) and the heap's top is never trimmed (M_TRIM_THRESHOLD -1):
+  every freed block stays in the heap and the next step's blocks reuse it, as a caching allocator does. Measured
+  on GPT-2 small (bf16, world size 1, seq 256, micro batch 4, medians over steps 3-7, each in its own process),
+  KEEP against glibc's threshold fixed at 32 MiB: stage 2 1.67 against 2.09 s per step, stage 3 1.86 against
+  2.53-2.83 s, stage 3 + cpu offload 2.12 against 2.91 s, stage 3 + nvme 2.68 against 3.45 s; 0-50 k minor faults
+  per step against ~430 k, ~0.1 against ~1 s of system time. The price is the heap's fragmentation, held for the
+  run: peak RSS 5.25 against 4.73 GiB at stage 2, 5.2-5.6 against 4.5 GiB at stage 3, 5.47 against 4.53 with cpu
+  offload, 3.79 against 3.27 with nvme. Training in memory, at every stage, takes KEEP, and so does a run with
+  anything on NVMe whose rank has REUSE_SHARE_BYTES (4 GiB) of host memory or more.
+- RETURN: glibc's threshold fixed at 1 MiB (and the top trimmed above 2 MiB, glibc's own ratio): every freed
+  block from 1 MiB up goes back to the kernel. A run with anything on NVMe on a smaller share takes it, and so
+  does zero.Init while it builds a model ([Note: zero.Init memory] in zero/init.py): there the run's host budget
+  holds only if freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on
+  a 512 MiB node: 183 MiB above the runtime at a 32 MiB threshold against 144 allowed, 130-139 at 1 MiB).
 
-Stage 3 used to keep 1 MiB in memory too, because at 32 MiB its heap grew by 150-350 MiB a step with only ~0.3
-GiB in use: torch's multi-grad hooks, left on the step's activations, kept a few hundred small objects alive
-among them, so freed activations could not be joined again ([Note: multi-grad hooks] in zero/stage3.py). With
-the hooks removed at the end of each pass the heap stays flat, as plain PyTorch's does.
+The engine's own large buffers are reused by their owners whatever the policy (gathered units: memory/pool.py).
+A user who sets glibc's own variables (MALLOC_MMAP_THRESHOLD_, MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_) keeps
+them: the engine then changes nothing.
+
+Stage 3 used to keep a 1 MiB threshold in memory too, because with freed blocks kept its heap grew by 150-350 MiB
+a step with only ~0.3 GiB in use: torch's multi-grad hooks, left on the step's activations, kept a few hundred
+small objects alive among them, so freed activations could not be joined again ([Note: multi-grad hooks] in
+zero/stage3.py). With the hooks removed at the end of each pass the heap stays flat, as plain PyTorch's does.
 
 [Note: huge pages]
 torch's THP_MEM_ALLOC_ENABLE=1 asks for transparent huge pages (madvise) on its host blocks of 2 MiB and more,
@@ -50,18 +60,34 @@ import functools
 import logging
 import os
 import resource
+from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger("infinity")
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-REUSE_THRESHOLD_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: freed blocks stay for reuse
-RETURN_THRESHOLD_BYTES = 1 << 20  # freed blocks from 1 MiB up go back to the kernel
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
+M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
+GLIBC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")  # the user's, if set
 REUSE_SHARE_BYTES = 4 << 30  # with NVMe, a rank's host share from which freed blocks stay (the share at which the
 # plan's staging rings have their full budget: memory/plan.py)
-BUILD_THRESHOLD_BYTES = RETURN_THRESHOLD_BYTES  # zero.Init: freed parameters go back ([Note: zero.Init memory])
-_fixed: int | None = None
+
+
+@dataclass(frozen=True)
+class HeapPolicy:
+    """glibc's settings for what happens to a freed block (module docstring)."""
+
+    name: str
+    mmap_threshold: int  # blocks from this size up are mapped on their own, and unmapped when freed
+    mmap_max: int  # how many such mappings at once: 0, none (every block from the heap)
+    trim_threshold: int  # free bytes at the heap's top from which they go back; -1, never
+
+
+KEEP = HeapPolicy("keep", 32 << 20, 0, -1)
+RETURN = HeapPolicy("return", 1 << 20, 65536, 2 << 20)  # 65536: glibc's default mmap_max
+BUILD = RETURN  # zero.Init: freed parameters go back ([Note: zero.Init memory])
+_fixed: HeapPolicy | None = None
 _said_huge_pages = False
 
 
@@ -82,29 +108,32 @@ def trim_heap() -> bool:
     return bool(trim is not None and trim(0))
 
 
-def threshold_for(*, on_nvme: bool, host_share: int) -> int:
-    """The engine's threshold (module docstring): in memory, at any stage, freed blocks stay for reuse; with
-    anything on NVMe too where the rank's host share is at least REUSE_SHARE_BYTES, else they go back, so a small
-    host budget holds. ``host_share`` is the plan's, the same on every rank of a node."""
+def policy_for(*, on_nvme: bool, host_share: int) -> HeapPolicy:
+    """The engine's policy (module docstring): in memory, at any stage, freed blocks stay for reuse; with anything
+    on NVMe too where the rank's host share is at least REUSE_SHARE_BYTES, else they go back, so a small host
+    budget holds. ``host_share`` is the plan's, the same on every rank of a node."""
     if on_nvme and host_share < REUSE_SHARE_BYTES:
-        return RETURN_THRESHOLD_BYTES
-    return REUSE_THRESHOLD_BYTES
+        return RETURN
+    return KEEP
 
 
-def fix_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc's mmap threshold (see the module docstring): ``threshold_for`` the engine's steps,
-    BUILD_THRESHOLD_BYTES while zero.Init builds a model. False where it does not apply: another libc, or the
-    user chose the threshold."""
+def fix_heap_policy(policy: HeapPolicy) -> bool:
+    """Set glibc's allocator to ``policy`` (see the module docstring): ``policy_for`` the engine's steps, BUILD
+    while zero.Init builds a model. False where it does not apply: another libc, or the user chose the settings."""
     global _fixed
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    if any(name in os.environ for name in GLIBC_SETTINGS):
         return False
-    if _fixed == nbytes:
+    if _fixed == policy:
         return True
     mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None or mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
+    if mallopt is None:
         return False
-    _fixed = nbytes
-    logger.debug("glibc M_MMAP_THRESHOLD fixed at %d bytes", nbytes)
+    settings = ((M_MMAP_THRESHOLD, policy.mmap_threshold), (M_MMAP_MAX, policy.mmap_max),
+                (M_TRIM_THRESHOLD, policy.trim_threshold))  # fmt: skip
+    if not all(mallopt(parameter, value) == 1 for parameter, value in settings):
+        return False
+    _fixed = policy
+    logger.debug("glibc heap policy %s: %s", policy.name, policy)
     return True
 
 

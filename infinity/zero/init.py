@@ -28,10 +28,10 @@ store's files go when the last piece is taken (or at exit).
 Freed full-size parameters must really be given back, or the heap grows by a full model anyway: glibc serves
 a 64-byte-aligned 16 MiB request from a heap hole only if the hole is larger than 16 MiB, so the holes each
 partitioned layer leaves behind are never reused (measured: 32 layers of 16 MiB built under Init peaked at 2x
-the model in one process). Entering the context therefore fixes glibc's mmap threshold at 1 MiB
-(infinity/memory/host.py): allocations from 1 MiB up are mmap-backed and return to the system when freed. The
-engine's initialize() raises it to 32 MiB for the steps of a run in memory, whose buffers are reused rather than
-returned (with anything on NVMe 1 MiB stays).
+the model in one process). Entering the context therefore sets glibc's RETURN policy (infinity/memory/host.py):
+allocations from 1 MiB up are mmap-backed and return to the system when freed. The engine's initialize() sets KEEP
+for the steps of a run in memory (or on NVMe with a large host share), whose buffers are reused rather than
+returned.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from infinity.comm import Comm
 from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
 from infinity.logs import install_default_handler
-from infinity.memory.host import BUILD_THRESHOLD_BYTES, fix_mmap_threshold
+from infinity.memory.host import BUILD, fix_heap_policy
 from infinity.memory.plan import check_init_piece
 from infinity.zero import collectives
 from infinity.zero.partition import layout_from_runs
@@ -393,7 +393,7 @@ class Init:
 
         self.comm = join_process_group()
         self.device = compute_device()
-        fix_mmap_threshold(BUILD_THRESHOLD_BYTES)  # [Note: zero.Init memory]
+        fix_heap_policy(BUILD)  # [Note: zero.Init memory]
         if self._nvme is not None and self._swap is None:
             self._swap = InitSwap(self._nvme, self.comm, self.device)
 

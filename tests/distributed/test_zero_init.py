@@ -38,7 +38,7 @@ def _nvme_config(nvme_path: str) -> dict:
 def _construction_peak(rank: int, world_size: int, layers: int, width: int, use_init: bool,
                        nvme_path: str | None = None) -> dict:  # fmt: skip
     # as Init does on entry: the plain build is measured alike
-    infinity.memory.host.fix_mmap_threshold(infinity.memory.host.BUILD_THRESHOLD_BYTES)
+    infinity.memory.host.fix_heap_policy(infinity.memory.host.BUILD)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     before = process_status_bytes("VmRSS")

@@ -111,7 +111,7 @@ def _peaks(big: str, tiny: str) -> dict:
     from infinity.integrations.hf_loading import HfInfinityConfig
 
     # as zero.Init does on entry: both loads are measured alike
-    infinity.memory.host.fix_mmap_threshold(infinity.memory.host.BUILD_THRESHOLD_BYTES)
+    infinity.memory.host.fix_heap_policy(infinity.memory.host.BUILD)
     AutoModelForCausalLM.from_pretrained(tiny)  # Transformers' lazily imported code, loaded before measuring
     plain = _load_peak(lambda: AutoModelForCausalLM.from_pretrained(big))
     hf_config = HfInfinityConfig(_stage3())
