@@ -350,8 +350,8 @@ def main() -> int:
         json.dump(report, f, indent=1)
     plot(report, os.path.splitext(args.json)[0] + ".png")
     print_summary(report)
-    if made:
-        os.rmdir(args.nvme_path)
+    if made:  # the folder this run made: DeepSpeed leaves its swap files in it (infinity removes its own)
+        shutil.rmtree(args.nvme_path)
     return 0
 
 
