@@ -27,7 +27,7 @@ from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import fix_heap_policy, policy_for, say_huge_pages, trim_heap
+from infinity.memory.host import fix_heap_policy, give_back_if_short, policy_for, say_huge_pages, trim_heap
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
@@ -631,12 +631,24 @@ class Engine(nn.Module):
                     "step %d skipped: fp16 overflow; loss scale now %g", self.global_steps, self.loss_scaler.scale
                 )
             self.global_steps += 1
+            self._heap_within_host()
             if self.stage3 is not None:
                 self._fetch_stats = self.stage3.coordinator.take_step_stats()
             self._phase_seconds["step"] += time.perf_counter() - start
             if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
                 self._report()
         self.micro_steps += 1
+
+    def _heap_within_host(self) -> None:
+        """The heap's cache gives way when the host runs short of memory (memory/host.py), said once."""
+        available = give_back_if_short(self.node.ranks[self.node.rank].host_bytes)
+        if available is not None:
+            logger.warning(
+                "rank %d: host memory is short (%s available, under an eighth of the %s the plan found at "
+                "initialize): freed blocks now go back to the kernel after each use, so steps are slower (each "
+                "block is faulted in again); free host memory, or lower the micro-batch, to keep them cached",
+                self.comm.rank, _human(available), _human(self.node.ranks[self.node.rank].host_bytes),
+            )  # fmt: skip
 
     def _report(self) -> None:
         elapsed = time.perf_counter() - self._step_started

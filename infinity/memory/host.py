@@ -24,6 +24,11 @@ The engine therefore chooses one of two heap policies for its steps (``policy_fo
   holds only if freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on
   a 512 MiB node: 183 MiB above the runtime at a 32 MiB threshold against 144 allowed, 130-139 at 1 MiB).
 
+KEEP's cache has a budget: the host's memory. After each optimizer step the engine checks the memory available on
+the host (``give_back_if_short``); where it has fallen below an eighth of what the plan found at initialize (other
+jobs, the other ranks, a larger batch), the policy becomes RETURN for the rest of the run, the heap's free pages
+are given back, and the engine says so once: the run goes on, slower, instead of the node running out.
+
 The engine's own large buffers are reused by their owners whatever the policy (gathered units: memory/pool.py).
 A user who sets glibc's own variables (MALLOC_MMAP_THRESHOLD_, MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_) keeps
 them: the engine then changes nothing.
@@ -64,6 +69,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.aio import buffers
+
 logger = logging.getLogger("infinity")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers
@@ -86,6 +93,7 @@ class HeapPolicy:
 
 KEEP = HeapPolicy("keep", 32 << 20, 0, -1)
 RETURN = HeapPolicy("return", 1 << 20, 65536, 2 << 20)  # 65536: glibc's default mmap_max
+PRESSURE_PART = 8  # KEEP gives way when the host's available memory falls under an eighth of the plan's
 BUILD = RETURN  # zero.Init: freed parameters go back ([Note: zero.Init memory])
 _fixed: HeapPolicy | None = None
 _said_huge_pages = False
@@ -115,6 +123,21 @@ def policy_for(*, on_nvme: bool, host_share: int) -> HeapPolicy:
     if on_nvme and host_share < REUSE_SHARE_BYTES:
         return RETURN
     return KEEP
+
+
+def give_back_if_short(available_at_start: int) -> int | None:
+    """Under KEEP, where the host's available memory has fallen below 1/PRESSURE_PART of ``available_at_start``
+    (what the plan found at initialize): RETURN from now on and the heap's free pages trimmed, so the run goes on
+    slower rather than the node running out of memory for blocks it only caches. The available bytes when it gave
+    way, else None."""
+    if _fixed is not KEEP:
+        return None
+    available = buffers.available_host_bytes()
+    if available >= available_at_start // PRESSURE_PART:
+        return None
+    fix_heap_policy(RETURN)
+    trim_heap()
+    return available
 
 
 def fix_heap_policy(policy: HeapPolicy) -> bool:

@@ -3,13 +3,18 @@ kernel fault them in again each step; a run on NVMe with a small host share give
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn as nn
 
+import infinity
 from infinity.memory import host
 
 ACTIVATION_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB): a fresh mapping each step by default
@@ -68,3 +73,32 @@ def test_policy_follows_the_host_share():
     assert host.policy_for(on_nvme=True, host_share=host.REUSE_SHARE_BYTES) is host.KEEP
     assert host.policy_for(on_nvme=True, host_share=host.REUSE_SHARE_BYTES - 1) is host.RETURN
     assert host.BUILD is host.RETURN  # zero.Init's freed full-size parameters go back ([Note: zero.Init memory])
+
+
+@pytest.mark.skipif(any(name in os.environ for name in host.GLIBC_SETTINGS), reason="glibc set by the user")
+def test_the_kept_blocks_go_back_when_the_host_runs_short(caplog):
+    """KEEP's cache is bounded by the host: once the memory available falls under an eighth of what the plan
+    found at initialize, the engine says so once, gives the heap's free pages back and returns freed blocks
+    from then on; training goes on. (Here the plan is told it found 1 EiB: any host is short of that.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    engine, *_ = infinity.initialize(model=model, config=config)
+    try:
+        assert host._fixed is host.KEEP  # training in memory
+        x, y = torch.randn(8, 16), torch.randn(8, 1)
+        engine.backward((engine(x) - y).pow(2).mean())
+        engine.step()
+        assert host._fixed is host.KEEP  # this host has what it had at initialize
+        mine = engine.node.ranks[engine.node.rank]
+        engine.node = dataclasses.replace(engine.node, ranks=(dataclasses.replace(mine, host_bytes=1 << 60),))
+        with caplog.at_level(logging.WARNING, logger="infinity"):
+            for _ in range(3):
+                engine.backward((engine(x) - y).pow(2).mean())
+                engine.step()
+        lines = [r.getMessage() for r in caplog.records if "host memory is short" in r.getMessage()]
+        assert len(lines) == 1 and "lower the micro-batch" in lines[0], lines
+        assert host._fixed is host.RETURN and engine.global_steps == 4
+    finally:
+        engine.destroy()
