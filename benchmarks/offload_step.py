@@ -1,8 +1,9 @@
 """ZeRO-Infinity step time: stage 3 without offload (DeepSpeed's default knobs, and stage3-reshard: FSDP2's policy of
 releasing each unit after its forward, prefetching about one block), with parameters and optimizer in host memory
 (cpu), and on NVMe; stage 2 with the optimizer on NVMe and without offload; and plain PyTorch FSDP2 (fully_shard per
-block, the same AdamW) for memory, with glibc's defaults and with the mmap threshold the engine sets (fsdp2-mmap1m:
-the engine fixes M_MMAP_THRESHOLD at 1 MiB, which alone lowers peak RSS; so both are shown). One run, world sizes 1
+block, the same AdamW) for memory, with glibc's defaults and with a 1 MiB mmap threshold (fsdp2-mmap1m: what the
+engine's RETURN heap policy sets for small NVMe shares and zero.Init, which alone lowers peak RSS; so both are
+shown). One run, world sizes 1
 and 2 (torchrun, gloo), modes alternating.
 
 Workload: a transformers GPT-2 small shape (124M parameters, built from GPT2Config, no download), sequence 256,
@@ -211,7 +212,7 @@ def launch(mode: str, world_size: int, args, out: str) -> None:
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // world_size))}
     if mode == "fsdp2-mmap1m":
-        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # what infinity/memory/host.py sets in the engine
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # infinity/memory/host.py's RETURN policy
     subprocess.run(command, check=True, env=env)
 
 

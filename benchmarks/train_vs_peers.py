@@ -179,7 +179,8 @@ def deepspeed_available() -> bool:
 
 def _env(world_size: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, threads // world_size)), "DS_ACCELERATOR": "cpu"}
-    env.pop("MALLOC_MMAP_THRESHOLD_", None)  # each peer's own allocator settings (infinity's workers set
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(name, None)  # each peer's own allocator settings (infinity's workers set
     env.pop("THP_MEM_ALLOC_ENABLE", None)  # torch's default for every peer: memory/host.py [Note: huge pages])
     return env
 

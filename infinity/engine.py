@@ -27,7 +27,14 @@ from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
-from infinity.memory.host import fix_heap_policy, give_back_if_short, policy_for, say_huge_pages, trim_heap
+from infinity.memory.host import (
+    HeapWatch,
+    fix_heap_policy,
+    give_back_if_short,
+    policy_for,
+    say_huge_pages,
+    trim_heap,
+)
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
@@ -357,6 +364,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._step_started = time.perf_counter()
+        self._heap_watch = HeapWatch()  # KEEP's heap near its settled size (memory/host.py)
         self._backward_pending = False  # a backward whose gradients no step has taken yet
         self._fetch_stats = FetchStats()
         self._phase_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # for wall_clock_breakdown
@@ -640,7 +648,11 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _heap_within_host(self) -> None:
-        """The heap's cache gives way when the host runs short of memory (memory/host.py), said once."""
+        """The heap's cache stays near its settled size, and gives way when the host runs short of memory
+        (memory/host.py), said once."""
+        if self._heap_watch.after_step():
+            logger.debug("rank %d: the heap grew past its settled size; its free pages given back (%d times)",
+                         self.comm.rank, self._heap_watch.trims)  # fmt: skip
         available = give_back_if_short(self.node.ranks[self.node.rank].host_bytes)
         if available is not None:
             logger.warning(

@@ -10,7 +10,9 @@ plain PyTorch, FSDP2 and DeepSpeed alike.
 
 The engine therefore chooses one of two heap policies for its steps (``policy_for``):
 - KEEP: no block is mapped on its own (M_MMAP_MAX 0) and the heap's top is never trimmed (M_TRIM_THRESHOLD -1):
-  every freed block stays in the heap and the next step's blocks reuse it, as a caching allocator does. Measured
+  every freed block stays in the heap and the next step's blocks reuse it, as a caching allocator does (in the
+  main thread's heap; another thread's blocks of 64 MiB and more are still mapped on their own, glibc's limit for
+  its other arenas). Measured
   on GPT-2 small (bf16, world size 1, seq 256, micro batch 4, medians over steps 3-7, each in its own process),
   KEEP against glibc's threshold fixed at 32 MiB: stage 2 1.67 against 2.09 s per step, stage 3 1.86 against
   2.53-2.83 s, stage 3 + cpu offload 2.12 against 2.91 s, stage 3 + nvme 2.68 against 3.45 s; 0-50 k minor faults
@@ -23,6 +25,10 @@ The engine therefore chooses one of two heap policies for its steps (``policy_fo
   does zero.Init while it builds a model ([Note: zero.Init memory] in zero/init.py): there the run's host budget
   holds only if freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on
   a 512 MiB node: 183 MiB above the runtime at a 32 MiB threshold against 144 allowed, 130-139 at 1 MiB).
+
+KEEP's heap stays near its settled size: glibc (before 2.38) sometimes extends the heap for an aligned block while
+a hole its size lies free, so ``HeapWatch`` gives the free pages back when the resident size passes the settled
+one by an eighth (256 MiB at least), and the next step faults its working set in once.
 
 KEEP's cache has a budget: the host's memory. After each optimizer step the engine checks the memory available on
 the host (``give_back_if_short``); where it has fallen below an eighth of what the plan found at initialize (other
@@ -94,6 +100,8 @@ class HeapPolicy:
 KEEP = HeapPolicy("keep", 32 << 20, 0, -1)
 RETURN = HeapPolicy("return", 1 << 20, 65536, 2 << 20)  # 65536: glibc's default mmap_max
 PRESSURE_PART = 8  # KEEP gives way when the host's available memory falls under an eighth of the plan's
+GROWTH_SLACK_PART = 8  # KEEP's heap may grow by an eighth past its settled size (GROWTH_SLACK_BYTES at least)
+GROWTH_SLACK_BYTES = 256 << 20
 BUILD = RETURN  # zero.Init: freed parameters go back ([Note: zero.Init memory])
 _fixed: HeapPolicy | None = None
 _said_huge_pages = False
@@ -125,6 +133,39 @@ def policy_for(*, on_nvme: bool, host_share: int) -> HeapPolicy:
     return KEEP
 
 
+@dataclass
+class HeapWatch:
+    """KEEP's heap across steps: its resident size once the steps have settled, and how far it may grow past it.
+    glibc before 2.38 cannot serve an aligned request (torch asks for 64 bytes) from a free hole of exactly the
+    request's size, so now and then a step's block extends the heap while a hole its size lies free (measured: a
+    stage-3 MLP with 64 MiB activations grew 64 MiB at a time, at steps 11-31 in one run, 97-269 in another).
+    When the resident size passes the settled one by the slack, the heap's free pages go back (malloc_trim) and the
+    size is taken again two steps later: the next step faults its working set in once."""
+
+    settle_steps: int = 2
+    baseline: int | None = None  # VmRSS at the end of the settled step
+    steps_seen: int = 0
+    trims: int = 0
+
+    def after_step(self) -> bool:
+        """At the end of each optimizer step; True when it gave the free pages back."""
+        if _fixed is not KEEP:
+            return False
+        self.steps_seen += 1
+        if self.steps_seen < self.settle_steps:
+            return False
+        resident = process_status_bytes("VmRSS")
+        if self.baseline is None:
+            self.baseline = resident
+            return False
+        if resident <= self.baseline + max(GROWTH_SLACK_BYTES, self.baseline // GROWTH_SLACK_PART):
+            return False
+        trim_heap()
+        self.trims += 1
+        self.baseline, self.steps_seen = None, 0
+        return True
+
+
 def give_back_if_short(available_at_start: int) -> int | None:
     """Under KEEP, where the host's available memory has fallen below 1/PRESSURE_PART of ``available_at_start``
     (what the plan found at initialize): RETURN from now on and the heap's free pages trimmed, so the run goes on
@@ -136,13 +177,13 @@ def give_back_if_short(available_at_start: int) -> int | None:
     if available >= available_at_start // PRESSURE_PART:
         return None
     fix_heap_policy(RETURN)
-    trim_heap()
     return available
 
 
 def fix_heap_policy(policy: HeapPolicy) -> bool:
     """Set glibc's allocator to ``policy`` (see the module docstring): ``policy_for`` the engine's steps, BUILD
-    while zero.Init builds a model. False where it does not apply: another libc, or the user chose the settings."""
+    while zero.Init builds a model. Leaving KEEP gives its cached free pages back. False where it does not apply:
+    another libc, the user chose the settings, or glibc refused one (said once in the log, nothing assumed)."""
     global _fixed
     if any(name in os.environ for name in GLIBC_SETTINGS):
         return False
@@ -151,9 +192,15 @@ def fix_heap_policy(policy: HeapPolicy) -> bool:
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
-    settings = ((M_MMAP_THRESHOLD, policy.mmap_threshold), (M_MMAP_MAX, policy.mmap_max),
+    leaving_keep, _fixed = _fixed is KEEP, None  # unknown until every setting has taken
+    settings = ((M_MMAP_MAX, policy.mmap_max), (M_MMAP_THRESHOLD, policy.mmap_threshold),
                 (M_TRIM_THRESHOLD, policy.trim_threshold))  # fmt: skip
-    if not all(mallopt(parameter, value) == 1 for parameter, value in settings):
+    refused = [parameter for parameter, value in settings if mallopt(parameter, value) != 1]
+    if leaving_keep:
+        trim_heap()
+    if refused:
+        logger.info("glibc refused mallopt parameter(s) %s for the %s heap policy; its own settings stay in part",
+                    refused, policy.name)  # fmt: skip
         return False
     _fixed = policy
     logger.debug("glibc heap policy %s: %s", policy.name, policy)

@@ -147,7 +147,12 @@ def test_ctrl_c_stops_cleanly(tmp_path, signum, code):
             time.sleep(0.2)
         assert _swap_left(str(swap)), "training without its swap files"
         process.send_signal(signum)
-        process.wait(timeout=60)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            pytest.fail(f"the run did not stop within 60 s of the signal: {log.read_text()[-3000:]}")
     err = log.read_text()
     assert process.returncode == code, err[-3000:]
     assert "Traceback" not in err and "interrupted after" in err, err[-3000:]
