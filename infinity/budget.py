@@ -29,6 +29,7 @@ import dataclasses
 import enum
 
 from infinity.config import Config, ZeroConfig
+from infinity.memory.host import KEEP, KEPT_ACTIVATION_COPIES, policy_for
 from infinity.memory.plan import (
     MAX_TILE_GATHERS,
     LayoutSizes,
@@ -299,7 +300,13 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         if grad_on_nvme:
             rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
 
-    rows += _activations(arch, shape)
+    activations = _activations(arch, shape)
+    rows += activations
+    on_nvme = "nvme" in (offload_opt.device, offload_param.device)
+    if not cuda and policy_for(on_nvme=on_nvme, host_share=plan.host_share) is KEEP:
+        rows.append(Row("buffers", f"freed blocks the heap keeps for the next step (KEEP: {KEPT_ACTIVATION_COPIES}x "
+                        "the activations, measured)", Where.DEVICE,
+                        KEPT_ACTIVATION_COPIES * sum(row.nbytes for row in activations)))  # fmt: skip
     checkpoint = trainable * (1 + momentum_states) * 4 + (numel - trainable) * width
     return Estimate(rows=rows, numel=numel, trainable_numel=trainable, plan=plan, swap=swap,
                     checkpoint_bytes=checkpoint)  # fmt: skip
