@@ -757,11 +757,13 @@ class Engine(nn.Module):
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):  # fmt: skip
+                        load_module_only: bool = False, *, weights_only: bool = True):  # fmt: skip
         """Collective: loads ``<load_dir>/<tag>`` (default: the tag ``latest`` names) into this engine, whatever
         world size, stage or offload mode saved it. Returns (path, client_state), or (None, None) when
         ``load_dir`` has no ``latest``. ``load_module_strict`` is accepted for DeepSpeed's signature: every
-        parameter of the model must be in the checkpoint."""
+        parameter of the model must be in the checkpoint. ``weights_only`` (infinity's, as torch.load's): the
+        checkpoint's pickled files are read without running code; False only for a checkpoint you trust
+        (checkpoint/pickled.py)."""
         from infinity.checkpoint.load import load_engine
 
         self.distributed.check_call("load_checkpoint")
@@ -769,6 +771,7 @@ class Engine(nn.Module):
         return load_engine(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            weights_only=weights_only,
         )  # fmt: skip
 
     def _dataloader(self, training_data, collate_fn):

@@ -17,6 +17,7 @@ import random
 import numpy as np
 import torch
 
+from infinity.checkpoint import pickled
 from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.chunks import agree_ok
 from infinity.checkpoint.manifest import LATEST, MANIFEST, Manifest
@@ -115,7 +116,7 @@ def _tag_folder(load_dir: str, tag: str) -> str:
 
 
 def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                load_module_only: bool):  # fmt: skip
+                load_module_only: bool, weights_only: bool = True):  # fmt: skip
     """Returns (path of the tag loaded, client_state), or (None, None) when there is no ``latest`` (DeepSpeed's
     answer for a folder with nothing to resume)."""
     comm = engine.comm
@@ -128,11 +129,12 @@ def load_engine(engine, load_dir, tag, *, load_optimizer_states: bool, load_lr_s
     folder = _tag_folder(load_dir, tag)
     manifest = Manifest.read(folder)
     return _load(engine, folder, manifest, comm, load_optimizer_states=load_optimizer_states,
-                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                 weights_only=weights_only)  # fmt: skip
 
 
 def _load(engine, folder: str, manifest: Manifest, comm, *, load_optimizer_states: bool,
-          load_lr_scheduler_states: bool, load_module_only: bool):  # fmt: skip
+          load_lr_scheduler_states: bool, load_module_only: bool, weights_only: bool):  # fmt: skip
     with_states = load_optimizer_states and not load_module_only
     io = None
     error = None
@@ -146,8 +148,8 @@ def _load(engine, folder: str, manifest: Manifest, comm, *, load_optimizer_state
         keys = _key_map(state_map, manifest, reader, with_states)
         for key, start, numel in _planned_reads(engine, state_map, keys, with_states):
             reader.check(key, start, numel)
-        saved_state = None if load_module_only else _read_engine_state(folder)
-        saved_rng = None if load_module_only else _read_rng(folder, comm.rank)
+        saved_state = None if load_module_only else _read_engine_state(folder, weights_only=weights_only)
+        saved_rng = None if load_module_only else _read_rng(folder, comm.rank, weights_only=weights_only)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
         error = e
     try:
@@ -315,14 +317,12 @@ def _load_hyperparameters(engine, state_map: StateMap, manifest: Manifest) -> No
                 group[key] = tuple(value) if isinstance(group[key], tuple) else value
 
 
-def _read_engine_state(folder: str) -> dict:
+def _read_engine_state(folder: str, *, weights_only: bool) -> dict:
     path = os.path.join(folder, ENGINE_STATE)
     try:
-        return torch.load(path, weights_only=False)  # client_state is the user's own objects
+        return pickled.load(path, weights_only=weights_only)  # runs no code unless the user opted in
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"{path} cannot be read: {e}") from None
 
 
 def _apply_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> dict:
@@ -346,23 +346,24 @@ def _apply_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> 
     return state["client_state"]
 
 
-def _read_rng(folder: str, rank: int) -> dict | None:
+def _read_rng(folder: str, rank: int, *, weights_only: bool) -> dict | None:
     path = rng_path(folder, rank)
     if not os.path.exists(path):
         logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size); "
                        "this rank's RNG is left as it is", rank, folder)  # fmt: skip
         return None
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    return pickled.load(path, weights_only=weights_only, numpy_arrays=True)  # earlier releases: numpy arrays
 
 
 def _apply_rng(state: dict | None) -> None:
     if state is None:
         return
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):  # as save.rng_state writes it: tensors and numbers
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])  # fmt: skip
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

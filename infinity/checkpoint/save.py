@@ -34,6 +34,7 @@ from infinity.checkpoint.chunk_io import ChunkIO
 from infinity.checkpoint.chunks import ChunkWriter, agree_ok
 from infinity.checkpoint.durable import free_bytes, publish_folder, sync_files, write_durably
 from infinity.checkpoint.manifest import LATEST, GroupEntry, Manifest, dtype_name, json_safe
+from infinity.checkpoint.pickled import check_client_state, refusal
 from infinity.checkpoint.state_map import PARAMS, StateMap, overlaps, state_key
 from infinity.checkpoint.zarr_store import write_array_meta, write_group
 from infinity.errors import CheckpointError
@@ -54,7 +55,11 @@ def rng_path(folder: str, rank: int) -> str:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as plain data and tensors, so that a weights-only load reads it (pickled.py)."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -108,8 +113,10 @@ def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, client
     comm = engine.comm
     final = os.path.join(save_dir, tag)
     error = None
+    engine_state = None
     try:
         if comm.rank == 0:
+            engine_state = _loadable(_engine_state(engine, client_state))  # refused before anything is written
             _create(tmp, save_dir, state_map)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
         error = e
@@ -128,7 +135,7 @@ def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, client
         torch.save(rng_state(), rng_path(tmp, comm.rank))
         if comm.rank == 0:
             mine.append(os.path.join(tmp, ENGINE_STATE))
-            torch.save(_engine_state(engine, client_state), os.path.join(tmp, ENGINE_STATE))
+            torch.save(engine_state, os.path.join(tmp, ENGINE_STATE))
         sync_files(tmp, mine)
         error = None
     except Exception as e:  # noqa: BLE001
@@ -250,6 +257,19 @@ def _engine_state(engine, client_state: dict | None) -> dict:
         "data_loader": loader.position() if hasattr(loader, "position") else None,
         "client_state": client_state or {},
     }
+
+
+def _loadable(state: dict) -> dict:
+    """The engine state, checked to be readable by a weights-only load (checkpoint/pickled.py): the user's
+    client_state by key, the rest (the LR scheduler's state_dict, the loader's position) by name."""
+    check_client_state(state["client_state"])
+    for key, value in state.items():
+        why = None if key == "client_state" else refusal(value)
+        if why is not None:
+            raise CheckpointError(f"save_checkpoint: the engine state's {key!r} holds an object that loading would "
+                                  f"have to run code to build ({why}); a scheduler or loader whose state_dict() "
+                                  "returns only tensors, numbers and strings saves")  # fmt: skip
+    return state
 
 
 def _manifest(engine, state_map: StateMap) -> Manifest:
