@@ -39,6 +39,11 @@ _LAZY = {
     "Engine": "infinity.engine",
     "InferenceEngine": "infinity.inference",
     "initialize": "infinity.entry",
+    "estimate_memory": "infinity.estimators",
+    "estimate_zero2_model_states_mem_needs_all_cold": "infinity.estimators",
+    "estimate_zero2_model_states_mem_needs_all_live": "infinity.estimators",
+    "estimate_zero3_model_states_mem_needs_all_cold": "infinity.estimators",
+    "estimate_zero3_model_states_mem_needs_all_live": "infinity.estimators",
 }
 
 
@@ -73,6 +78,11 @@ __all__ = [
     "Config",
     "Engine",
     "ConfigError",
+    "estimate_memory",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
     "InferenceEngine",
     "InfinityError",
     "InvalidTensorError",

@@ -303,7 +303,7 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     activations = _activations(arch, shape)
     rows += activations
     on_nvme = "nvme" in (offload_opt.device, offload_param.device)
-    if not cuda and policy_for(on_nvme=on_nvme, host_share=plan.host_share) is KEEP:
+    if activations and not cuda and policy_for(on_nvme=on_nvme, host_share=plan.host_share) is KEEP:
         rows.append(Row("buffers", f"freed blocks the heap keeps for the next step (KEEP: {KEPT_ACTIVATION_COPIES}x "
                         "the activations, measured)", Where.DEVICE,
                         KEPT_ACTIVATION_COPIES * sum(row.nbytes for row in activations)))  # fmt: skip

@@ -118,7 +118,8 @@ def runtime_bytes(shape, raw: dict) -> int | None:
         return None
 
 
-def _momentum_states(raw: dict) -> int:
+def momentum_states(raw: dict) -> int:
+    """fp32 optimizer states per element the config's optimizer keeps (Adam 2, SGD 1 with momentum, else 0)."""
     optimizer = raw.get("optimizer") or {}
     kind = str(optimizer.get("type", "adamw")).lower()
     if kind == "sgd":
@@ -137,7 +138,7 @@ def plan_estimate(shape, raw: dict, args, *, owners_arch=None, available: int | 
     run = RunShape(world_size=args.world_size, micro_batch=config.train_micro_batch_size_per_gpu,
                    seq_len=args.seq_len, dtype_bytes=width, local_ranks=args.world_size,
                    host_available=available if available is not None else host_memory_bytes())  # fmt: skip
-    return estimate(owners, arch, config, run, cuda=torch.cuda.is_available(), momentum_states=_momentum_states(raw)), {
+    return estimate(owners, arch, config, run, cuda=torch.cuda.is_available(), momentum_states=momentum_states(raw)), {
         "micro_batch": run.micro_batch, "dtype_bytes": width, "stage": config.zero.stage}
 
 
