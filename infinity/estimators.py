@@ -28,7 +28,9 @@ def _numel(param: nn.Parameter) -> int:
 
 
 def model_to_params(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, the largest module's own parameters), each shared parameter counted once."""
+    """(all parameters, the largest module's own parameters), each shared parameter counted once (DeepSpeed
+    dedupes by storage instead: two Parameters viewing one storage count twice here, once there; on the meta
+    device or partitioned, where storages are empty, this count is the right one)."""
     total = sum(_numel(p) for p in model.parameters())
     largest = max((sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return total, largest

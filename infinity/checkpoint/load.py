@@ -360,7 +360,7 @@ def _apply_rng(state: dict | None) -> None:
         return
     random.setstate(state["python"])
     numpy_state = state["numpy"]
-    if isinstance(numpy_state, dict):  # as save.rng_state writes it: tensors and numbers
+    if isinstance(numpy_state, dict) and "keys" in numpy_state:  # MT19937 as save.rng_state writes it
         numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
                        numpy_state["has_gauss"], numpy_state["cached_gaussian"])  # fmt: skip
     np.random.set_state(numpy_state)

@@ -25,11 +25,25 @@ OPT_IN = "load_checkpoint(..., weights_only=False)"
 
 
 def _numpy_array_globals() -> list:
-    """What unpickling a numpy array names (numpy 1.x keeps _reconstruct under core, 2.x under _core)."""
+    """What unpickling a numpy array names. A file names _reconstruct where the numpy that wrote it kept it
+    (numpy.core in 1.x, numpy._core in 2.x): both names are allowed, for the function this numpy has."""
     core = getattr(np, "_core", None) or np.core
-    found = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    reconstruct = core.multiarray._reconstruct
+    found: list = [np.ndarray, np.dtype]
+    found += [(reconstruct, f"{module}.multiarray._reconstruct") for module in ("numpy.core", "numpy._core")]
     found += [getattr(np.dtypes, name) for name in ("UInt32DType", "Int64DType") if hasattr(np, "dtypes")]
     return found
+
+
+def _load_allowing_numpy_arrays(path: str) -> object:
+    """torch.load(weights_only=True) with numpy's array globals allowed (torch 2.5+: for this call only)."""
+    allowed = _numpy_array_globals()
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is None:  # torch 2.4: only the process-wide allowlist, and without (function, name) pairs
+        torch.serialization.add_safe_globals([g[0] if isinstance(g, tuple) else g for g in allowed])
+        return torch.load(path, weights_only=True)
+    with scoped(allowed):
+        return torch.load(path, weights_only=True)
 
 
 def _reason(error: Exception) -> str:
@@ -49,10 +63,12 @@ def load(path: str, *, weights_only: bool = True, numpy_arrays: bool = False) ->
     try:
         if not weights_only:
             return torch.load(path, weights_only=False)
-        if numpy_arrays:
-            with torch.serialization.safe_globals(_numpy_array_globals()):
-                return torch.load(path, weights_only=True)
-        return torch.load(path, weights_only=True)
+        try:
+            return torch.load(path, weights_only=True)
+        except pickle.UnpicklingError:
+            if not numpy_arrays:
+                raise
+        return _load_allowing_numpy_arrays(path)  # an earlier release's RNG file: numpy's arrays, nothing else
     except FileNotFoundError:
         raise
     except pickle.UnpicklingError as e:
@@ -69,15 +85,26 @@ def refusal(value: object) -> str | None:
     """Why a weights-only load could not read ``value`` back, or None when it could (a round trip in memory)."""
     buffer = io.BytesIO()
     try:
-        torch.save(value, buffer)
+        torch.save(_on_meta(value), buffer)  # tensors by shape only: the check copies no data
     except Exception as e:  # noqa: BLE001 - not even picklable: say what torch said
         return f"it cannot be saved: {e}"
     buffer.seek(0)
     try:
-        torch.load(buffer, weights_only=True)
+        torch.load(buffer, weights_only=True, map_location="meta")
     except pickle.UnpicklingError as e:
         return _reason(e)
     return None
+
+
+def _on_meta(value: object) -> object:
+    """``value`` with its tensors (in dicts, lists and tuples) replaced by meta tensors of the same kind."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("meta")
+    if type(value) is dict:
+        return {key: _on_meta(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_on_meta(item) for item in value)
+    return value  # anything else is checked as it is
 
 
 def check_client_state(client_state: dict) -> None:

@@ -56,9 +56,14 @@ def rng_path(folder: str, rank: int) -> str:
 
 def rng_state() -> dict:
     """Every generator's state as plain data and tensors, so that a weights-only load reads it (pickled.py)."""
-    kind, keys, position, has_gauss, cached = np.random.get_state()
-    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    generator = getattr(np.random, "get_bit_generator", None)  # numpy 1.25+
+    mt19937 = generator is None or isinstance(generator(), np.random.MT19937)
+    numpy_state = np.random.get_state(legacy=mt19937)
+    if isinstance(numpy_state, tuple):  # MT19937, numpy's default: its keys as a tensor
+        kind, keys, position, has_gauss, cached = numpy_state
+        numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    # else another bit generator (np.random.set_bit_generator): its state is a dict of numbers already
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -95,9 +100,16 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     tmp = final + ".tmp"
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                          rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
+    error, engine_state = None, None
+    try:  # before anything is written: a client_state a weights-only load could not read is refused by key
+        if comm.rank == 0:
+            engine_state = _loadable(_engine_state(engine, client_state))
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
+        error = e
+    agree_ok(comm, error, "save_checkpoint")
     mine: list[str] = []  # the files this rank writes into tmp, for the cleanup after a failure
     try:
-        bytes_written = _save(engine, state_map, save_dir, tag, tmp, client_state, save_latest, mine)
+        bytes_written = _save(engine, state_map, save_dir, tag, tmp, engine_state, save_latest, mine)
     except BaseException as error:
         _discard(comm, save_dir, tmp, mine)
         if not isinstance(error, Exception):
@@ -106,17 +118,15 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     return SaveStats(time.perf_counter() - started, bytes_written)
 
 
-def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, client_state: dict | None,
+def _save(engine, state_map: StateMap, save_dir: str, tag: str, tmp: str, engine_state: dict | None,
           save_latest: bool, mine: list[str]) -> int:  # fmt: skip
     """The save's three phases, each ended by every rank agreeing it went well ([Note: crash-safe save]); the
-    bytes of this rank's chunks."""
+    bytes of this rank's chunks. ``engine_state``: rank 0's, checked (``_loadable``)."""
     comm = engine.comm
     final = os.path.join(save_dir, tag)
     error = None
-    engine_state = None
     try:
         if comm.rank == 0:
-            engine_state = _loadable(_engine_state(engine, client_state))  # refused before anything is written
             _create(tmp, save_dir, state_map)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it (agree_ok)
         error = e

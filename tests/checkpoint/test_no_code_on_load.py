@@ -102,6 +102,24 @@ def test_an_earlier_releases_rng_file_with_numpy_arrays_still_loads(saved, tmp_p
         engine.destroy()
 
 
+def test_another_numpy_bit_generator_is_saved_and_restored(tmp_path):
+    """numpy's global generator switched from MT19937 (np.random.set_bit_generator): its state is a dict of
+    numbers, saved as it is."""
+    original = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(7))
+    engine = _engine()
+    try:
+        _train(engine, 1)
+        engine.save_checkpoint(tmp_path, tag="pcg")
+        expected = float(np.random.rand())
+        np.random.set_bit_generator(np.random.PCG64(8))
+        engine.load_checkpoint(tmp_path, tag="pcg")
+        assert float(np.random.rand()) == expected
+    finally:
+        engine.destroy()
+        np.random.set_bit_generator(original)
+
+
 def test_a_client_state_that_needs_code_is_refused_at_save_by_key_and_nothing_is_written(tmp_path):
     engine = _engine()
     try:
@@ -110,6 +128,7 @@ def test_a_client_state_that_needs_code_is_refused_at_save_by_key_and_nothing_is
             engine.save_checkpoint(tmp_path, tag="t", client_state={"epoch": 1, "sampler": UserObject(1)})
         message = str(refused.value)
         assert "client_state['sampler']" in message and "UserObject" in message and "state_dict" in message, message
+        assert "free space" not in message and "removed" not in message  # not a disk's failure: nothing to clean
         assert not os.path.exists(tmp_path / "t") and not os.path.exists(tmp_path / "t.tmp")
         assert not os.path.exists(tmp_path / "latest")
     finally:
