@@ -362,6 +362,8 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0  # DeepSpeed's: train_batch_size per optimizer step, skipped ones too
+        self._step_applied = False  # whether the last step() changed the parameters (was_step_applied)
         self.last_grad_norm: float | None = None
         self._step_started = time.perf_counter()
         self._heap_watch = HeapWatch()  # KEEP's heap near its settled size (memory/host.py)
@@ -574,6 +576,23 @@ class Engine(nn.Module):
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.zero_optimizer.param_groups]
 
+    def get_mom(self) -> list:
+        """DeepSpeed's: each param group's momentum (SGD, RMSprop) or betas (the Adam family), 0.0 where a group
+        has none."""
+        sgd_like = isinstance(self.zero_optimizer.optimizer, torch.optim.SGD | torch.optim.RMSprop)
+        name = "momentum" if sgd_like else "betas"
+        return [group.get(name, 0.0) for group in self.zero_optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """DeepSpeed's: the 2-norm of all gradients at the last optimizer step (before clipping, over every rank's
+        partition); None before the first step."""
+        return self.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's: whether the latest step() updated the parameters; False inside an accumulation window and
+        for a step skipped on fp16 overflow (not an error)."""
+        return self._step_applied
+
     def optimizer_state_bytes(self) -> int:
         return self.zero_optimizer.state_bytes()
 
@@ -621,6 +640,7 @@ class Engine(nn.Module):
     def step(self) -> None:
         """The optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
         start = time.perf_counter()
+        self._step_applied = False  # a step() inside an accumulation window changes nothing
         if self.is_gradient_accumulation_boundary():
             self._backward_pending = False
             result = self.zero_optimizer.step(
@@ -629,6 +649,8 @@ class Engine(nn.Module):
                 check_overflow=self.config.fp16.enabled,
             )
             self.loss_scaler.update(overflow=not result.stepped)
+            self._step_applied = result.stepped
+            self.global_samples += self.config.train_batch_size
             if result.stepped:
                 self.last_grad_norm = result.grad_norm
                 if self.lr_scheduler is not None:

@@ -329,6 +329,7 @@ def _apply_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> 
     engine.global_steps = state["global_steps"]
     engine.micro_steps = state["micro_steps"]
     engine.skipped_steps = state["skipped_steps"]
+    engine.global_samples = state.get("global_samples", engine.global_steps * engine.config.train_batch_size)
     accumulation = engine.config.gradient_accumulation_steps
     if engine.micro_steps % accumulation:  # saved with another accumulation (another world size): a boundary here
         engine.micro_steps = engine.global_steps * accumulation

@@ -262,6 +262,7 @@ def _engine_state(engine, client_state: dict | None) -> dict:
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
+        "global_samples": engine.global_samples,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "lr_scheduler": None if engine.lr_scheduler is None else engine.lr_scheduler.state_dict(),
         "data_loader": loader.position() if hasattr(loader, "position") else None,
