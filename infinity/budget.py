@@ -62,6 +62,22 @@ class Owner:
     trainable: tuple[bool, ...]
 
 
+def whole_numel(param) -> int:
+    """Elements of the whole parameter: a partitioned one (zero.Init, stage 3) has none and carries its count in
+    ds_numel."""
+    numel = getattr(param, "ds_numel", None)
+    return numel if numel is not None and param.numel() == 0 else param.numel()
+
+
+def owners_of(module) -> list[Owner]:
+    """The module's parameter owners as stage 3 groups them (zero/units.py), whole counts, frozen ones marked."""
+    from infinity.zero.units import parameter_owners
+
+    return [Owner(path=path, numels=tuple(whole_numel(p) for p in params),
+                  trainable=tuple(p.requires_grad for p in params))
+            for path, _, params in parameter_owners(module) if params]  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Architecture:
     """What the activation estimate needs; zeros where the model is not a transformer decoder."""
@@ -71,6 +87,18 @@ class Architecture:
     heads: int = 0
     vocab: int = 0
     intermediate: int = 0  # the MLP's width (4 h for GPT-2)
+
+    @classmethod
+    def of(cls, config) -> Architecture:
+        """A transformers config's dimensions (GPT-2's names or Llama's); zeros where it has none."""
+
+        def get(*names: str) -> int:
+            return next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), 0)
+
+        hidden = get("hidden_size", "n_embd")
+        return cls(hidden=hidden, layers=get("num_hidden_layers", "n_layer"),
+                   heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"),
+                   intermediate=get("intermediate_size", "n_inner") or 4 * hidden)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from infinity.budget import Owner, stage3_units
+from infinity.budget import owners_of, stage3_units
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.errors import CheckpointError, ConfigError, InfinityError
@@ -58,7 +58,7 @@ from infinity.zero.shards import parameter_shards
 from infinity.zero.stage3 import Stage3, setup_stage3
 from infinity.zero.tiles import rule_for
 from infinity.zero.unit_optimizer import UnitOptimizer
-from infinity.zero.units import fill_units, parameter_owners
+from infinity.zero.units import fill_units
 
 logger = logging.getLogger("infinity")
 
@@ -452,9 +452,7 @@ class Engine(nn.Module):
         zero/units.py's build_units, checked against it in _make_shards), or the buckets of stages 1-2."""
         zero = self.config.zero
         if zero.stage == 3:
-            owners = [Owner(path=path, numels=tuple(_numel(p) for p in params),
-                            trainable=tuple(p.requires_grad for p in params))
-                      for path, _, params in parameter_owners(self.module) if params]  # fmt: skip
+            owners = owners_of(self.module)
             persistent, units = stage3_units(owners, zero, self.comm.world_size)
             first = 1 if persistent else 0
             self._planned_units = tuple((first + i, piece) for i, (_, piece) in enumerate(units))
@@ -830,9 +828,3 @@ class Engine(nn.Module):
         _remove_hooks(self.zero_optimizer, self.stage3)
         self.distributed.close()
         trim_heap()  # the freed blocks the heap policy kept for the next step (memory/host.py)
-
-
-def _numel(param: nn.Parameter) -> int:
-    """Elements of the whole parameter: a zero.Init placeholder has none and carries its count in ds_numel."""
-    numel = getattr(param, "ds_numel", None)
-    return numel if numel is not None and param.numel() == 0 else param.numel()

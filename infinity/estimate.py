@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 
-from infinity.budget import Architecture, Estimate, Owner, RunShape, Where, estimate
+from infinity.budget import Architecture, Estimate, Owner, RunShape, Where, estimate, owners_of
 from infinity.config import AutoError, AutoValues, ConfigError, load_json, parse_config
 from infinity.memory.plan import host_memory_bytes
 
@@ -74,23 +74,11 @@ def describe(shape) -> tuple[list[Owner], Architecture]:
     from transformers import AutoModelForCausalLM
 
     from infinity.train.models import hf_config
-    from infinity.zero.units import parameter_owners
 
     config = hf_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    owners = [Owner(path=path, numels=tuple(p.numel() for p in params),
-                    trainable=tuple(p.requires_grad for p in params))
-              for path, _, params in parameter_owners(model) if params]  # fmt: skip
-
-    def get(*names: str) -> int:
-        return next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), 0)
-
-    hidden = get("hidden_size", "n_embd")
-    arch = Architecture(hidden=hidden, layers=get("num_hidden_layers", "n_layer"),
-                        heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"),
-                        intermediate=get("intermediate_size", "n_inner") or 4 * hidden)  # fmt: skip
-    return owners, arch
+    return owners_of(model), Architecture.of(config)
 
 
 def runtime_bytes(shape, raw: dict) -> int | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from infinity.budget import Architecture, Estimate, Owner, RunShape, estimate
+from infinity.budget import Architecture, Estimate, RunShape, estimate, owners_of, whole_numel
 from infinity.config import AutoValues, parse_config
 from infinity.memory.plan import host_memory_bytes
 
@@ -21,18 +21,12 @@ GIB = 2**30
 OFFLOAD_CPU = "cpu "  # DeepSpeed pads the device name to four characters in its table
 
 
-def _numel(param: nn.Parameter) -> int:
-    """A parameter's whole element count, also when stage 3 has partitioned it (its count is in ds_numel)."""
-    numel = getattr(param, "ds_numel", None)
-    return numel if numel is not None and param.numel() == 0 else param.numel()
-
-
 def model_to_params(model: nn.Module) -> tuple[int, int]:
     """(all parameters, the largest module's own parameters), each shared parameter counted once (DeepSpeed
     dedupes by storage instead: two Parameters viewing one storage count twice here, once there; on the meta
     device or partitioned, where storages are empty, this count is the right one)."""
-    total = sum(_numel(p) for p in model.parameters())
-    largest = max((sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    total = sum(whole_numel(p) for p in model.parameters())
+    largest = max((sum(whole_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return total, largest
 
 
@@ -129,21 +123,6 @@ def estimate_zero3_model_states_mem_needs_all_live(model: nn.Module, num_gpus_pe
 
 
 # ---- infinity's own ----
-def _architecture(model: nn.Module) -> Architecture:
-    """A transformers model's dimensions (for the activation rows); none for any other module."""
-    config = getattr(model, "config", None)
-
-    def get(*names: str) -> int:
-        return next((int(getattr(config, n)) for n in names if getattr(config, n, None) is not None), 0)
-
-    if config is None:
-        return Architecture()
-    hidden = get("hidden_size", "n_embd")
-    return Architecture(hidden=hidden, layers=get("num_hidden_layers", "n_layer"),
-                        heads=get("num_attention_heads", "n_head"), vocab=get("vocab_size"),
-                        intermediate=get("intermediate_size", "n_inner") or 4 * hidden)  # fmt: skip
-
-
 def estimate_memory(model: nn.Module, config: dict, *, world_size: int = 1, seq_len: int = 0,
                     host_memory: int | None = None, cuda: bool | None = None) -> Estimate:  # fmt: skip
     """Bytes per rank on each tier (device, host pinned, host other, NVMe) for training ``model`` under
@@ -155,14 +134,12 @@ def estimate_memory(model: nn.Module, config: dict, *, world_size: int = 1, seq_
     import torch
 
     from infinity.estimate import momentum_states
-    from infinity.zero.units import parameter_owners
 
-    arch = _architecture(model)
+    config_of_model = getattr(model, "config", None)  # a transformers model's: its dimensions, for activations
+    arch = Architecture.of(config_of_model) if config_of_model is not None else Architecture()
     parsed = parse_config(config, world_size=world_size, auto=AutoValues(hidden_size=arch.hidden or None))
     width = 2 if (parsed.bf16.enabled or parsed.fp16.enabled) else 4
-    owners = [Owner(path=path, numels=tuple(_numel(p) for p in params),
-                    trainable=tuple(p.requires_grad for p in params))
-              for path, _, params in parameter_owners(model) if params]  # fmt: skip
+    owners = owners_of(model)
     run = RunShape(world_size=world_size, micro_batch=parsed.train_micro_batch_size_per_gpu, seq_len=seq_len,
                    dtype_bytes=width, local_ranks=world_size,
                    host_available=host_memory if host_memory is not None else host_memory_bytes())  # fmt: skip
