@@ -177,7 +177,8 @@ class Bf16Config:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
     type: str
-    """Adam | AdamW | SGD (case-insensitive)."""
+    """Adam | AdamW | SGD | Adagrad | Lion | a torch.optim class's name (case-insensitive); DeepSpeed's Lamb,
+    OneBitAdam, ZeroOneAdam, OneBitLamb, MuAdam(W), MuSGD and Muon are refused naming why."""
     params: dict = field(default_factory=dict)
 
 
@@ -661,10 +662,13 @@ def parse_config(
     if raw.get("optimizer") is not None:
         optimizer = _typed_section(OptimizerConfig, "optimizer", raw["optimizer"])
         if optimizer.type.lower() not in ("adam", "adamw", "sgd"):
-            raise ConfigError(
-                f"optimizer.type {optimizer.type!r} is not supported: use Adam, AdamW or SGD (or pass a "
-                "torch optimizer to initialize())"
-            )
+            from infinity.optim import config_optimizer_class  # torch, only for the other names
+
+            if config_optimizer_class(optimizer.type) is None:
+                raise ConfigError(
+                    f"optimizer.type {optimizer.type!r} is not supported: use Adam, AdamW, SGD, Adagrad, Lion or "
+                    "a torch.optim class's name (or pass a torch optimizer to initialize())"
+                )
     scheduler = None
     if raw.get("scheduler") is not None:
         scheduler = _typed_section(SchedulerConfig, "scheduler", raw["scheduler"])

@@ -48,6 +48,7 @@ from infinity.memory.plan import (
     survey,
     swap_need,
 )
+from infinity.optim import config_optimizer_class
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.bucket_optimizer import ZeroOptimizer
 from infinity.zero.coordinator import FetchStats
@@ -194,7 +195,9 @@ def build_optimizer(config: Config, groups: list[dict], *, on_cpu: bool) -> torc
             if on_cpu and "fused" not in params and "foreach" not in params:
                 params["fused"] = True
             return cls(groups, **params)
-        return torch.optim.SGD(groups, **{"lr": 1e-3, **params})
+        if kind == "sgd":
+            return torch.optim.SGD(groups, **{"lr": 1e-3, **params})
+        return config_optimizer_class(spec.type)(groups, **params)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:
@@ -432,8 +435,10 @@ class Engine(nn.Module):
         ``optimizer``: None for an inference engine. Also refuses an optimizer that offload cannot step."""
         zero = self.config.zero
         width = 0
-        if optimizer is not None and zero.offload_optimizer.enabled:
-            width = 1 + len(rule_for(optimizer).states)  # master + states
+        if optimizer is not None:
+            rule = rule_for(optimizer)  # refuses, at any stage, an optimizer that flat pieces would change
+            if zero.offload_optimizer.enabled:
+                width = 1 + len(rule.states)  # master + states
         self._planned_units: tuple[tuple[int, int], ...] | None = None
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         layout = self._layout_sizes(optimizer) if self.node.paths else None

@@ -260,7 +260,9 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
         for name, buffer in state_map.buffers.items():
             buffer.copy_(reader.whole(keys[BUFFERS + name]))
     if with_states:
-        state_map.set_group_steps([g.step for g in reader.manifest.groups], list(reader.manifest.scalar_keys))
+        groups = reader.manifest.groups
+        state_map.set_group_steps([g.step for g in groups], list(reader.manifest.scalar_keys),
+                                  [g.scalars for g in groups])
 
 
 def _check_states(engine, state_map: StateMap, manifest: Manifest, folder: str) -> None:

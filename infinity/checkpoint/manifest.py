@@ -29,6 +29,7 @@ class GroupEntry:
     params: list[str]
     hyperparameters: dict
     step: int
+    scalars: dict = field(default_factory=dict)  # other scalar state entries (NAdam's mu_product), as JSON
 
 
 @dataclass(slots=True)

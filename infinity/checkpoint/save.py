@@ -295,10 +295,11 @@ def _manifest(engine, state_map: StateMap) -> Manifest:
     for name, buffer in state_map.buffers.items():
         arrays["buffers/" + name]["torch_dtype"] = dtype_name(buffer.dtype)
     steps = state_map.group_steps()
+    scalars = state_map.group_scalars()
     groups = []
     for g, group in enumerate(engine.zero_optimizer.param_groups):
         hyper = {k: json_safe(v) for k, v in group.items() if k != "params"}
-        groups.append(GroupEntry(state_map.group_names[g], hyper, steps[g]))
+        groups.append(GroupEntry(state_map.group_names[g], hyper, steps[g], scalars[g]))
     return Manifest(
         world_size=engine.comm.world_size, stage=zero.stage, compute_dtype=dtype_name(engine.compute_dtype),
         offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,

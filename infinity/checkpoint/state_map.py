@@ -24,6 +24,7 @@ from infinity.checkpoint.chunks import ArraySpec
 from infinity.checkpoint.zarr_store import ArrayMeta
 from infinity.errors import CheckpointError
 from infinity.zero.bucket_optimizer import ZeroOptimizer
+from infinity.zero.elementwise import decode_scalar, encode_scalar
 from infinity.zero.optimizer import PartitionedOptimizer
 from infinity.zero.partition import Bucket, overlap
 from infinity.zero.tiles import Tile
@@ -297,6 +298,8 @@ class StateMap:
     def scalar_keys(self) -> list[str]:
         """Non-elementwise entries of the optimizer's state (Adam's "step")."""
         tiled = self.optimizer.tiled
+        if tiled is not None and tiled.rule.stepper is not None:
+            return list(tiled.rule.stepper.scalar_keys)
         if tiled is not None and tiled.rule.update is not None:
             return ["step"] if "exp_avg" in tiled.rule.states else []
         keys: list[str] = []
@@ -304,10 +307,33 @@ class StateMap:
             keys += [k for k in state if k not in self.state_names and k not in keys]
         return keys
 
-    def set_group_steps(self, steps: list[int], scalar_keys: list[str]) -> None:
-        """After loading states: the step counts (the tiles'), or the user's optimizer's scalar entries (a group
-        that had not stepped gets no state at all, as a fresh optimizer)."""
+    def group_scalars(self) -> list[dict]:
+        """Per param group, the scalar state entries other than Adam's step count (NAdam's mu_product, ASGD's eta
+        and mu), as JSON: the same for every element of a group ([Note: elementwise optimizers])."""
         tiled = self.optimizer.tiled
+        groups = len(self.optimizer.param_groups)
+        if tiled is not None and tiled.rule.stepper is not None:
+            return [tiled.rule.stepper.saved_scalars(g) for g in range(groups)]
+        found: list[dict] = [{} for _ in range(groups)]
+        if tiled is not None and tiled.rule.update is not None:
+            return found
+        for param, (group, _) in self._torch_pieces():
+            state = self.optimizer.optimizer.state.get(param, {})
+            for key, value in state.items():
+                if key not in self.state_names and (not torch.is_tensor(value) or value.dim() == 0):
+                    found[group].setdefault(key, encode_scalar(value))
+        return found
+
+    def set_group_steps(self, steps: list[int], scalar_keys: list[str], scalars: list[dict] | None = None) -> None:
+        """After loading states: the step counts (the tiles'), or the user's optimizer's scalar entries (a group
+        that had not stepped gets no state at all, as a fresh optimizer). ``scalars``: group_scalars() as saved."""
+        tiled = self.optimizer.tiled
+        scalars = scalars or [{} for _ in steps]
+        if tiled is not None and tiled.rule.stepper is not None:
+            tiled.steps = list(steps)
+            for group, (taken, saved) in enumerate(zip(steps, scalars, strict=True)):
+                tiled.rule.stepper.load_scalars(group, saved, taken)
+            return
         if tiled is not None and tiled.rule.update is not None:
             tiled.steps = list(steps)
             return
@@ -318,7 +344,10 @@ class StateMap:
                 continue
             state = torch_state.setdefault(param, {})
             for key in scalar_keys:
-                if key == "step":
+                if key != "step" and key in scalars[group]:
+                    value = decode_scalar(scalars[group][key])
+                    state[key] = value.to(param.device) if torch.is_tensor(value) and param.is_cuda else value
+                elif key == "step":
                     fused = self.optimizer.param_groups[group].get("fused") or self.optimizer.param_groups[
                         group].get("capturable")  # fmt: skip
                     state[key] = torch.tensor(float(steps[group]), dtype=torch.float32,

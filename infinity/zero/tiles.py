@@ -9,7 +9,8 @@ Where the weights themselves are fp32 in device memory (stage 3, fp32, nothing o
 weight: the segment holds the states only, and no second fp32 copy of the shard exists.
 
 The step walks the tiles in order. For each: wait for its segment, run torch's own functional update for the
-user's optimizer class (Adam / AdamW / SGD, with the hyperparameters and flags read from the user's
+user's optimizer class (Adam / AdamW / SGD's kernels here, any other elementwise class's own step: [Note:
+elementwise optimizers] in elementwise.py; with the hyperparameters and flags read from the user's
 param_groups at every step, so LR schedulers keep working; the step count per group is kept here), copy the
 new master into the compute-dtype weights, give the segment back dirty. With NVMe, reads of the next tiles
 are in flight while one steps and earlier writes drain behind it, within the ring's buffer_count buffers; the
@@ -30,6 +31,7 @@ from torch.optim import adam, sgd
 
 from infinity.errors import ConfigError
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
+from infinity.zero.elementwise import ElementwiseStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class Rule:
     states: tuple[str, ...]
     update: Callable[[dict, torch.Tensor, torch.Tensor, list[torch.Tensor], int], None] | None
     # None: the user's own optimizer steps the tiles' masters as its parameters (tiles in device memory only)
+    stepper: ElementwiseStep | None = None  # any other elementwise class: its own step, tile by tile
 
 
 def _adam_update(group: dict, master, grad, states, step: int) -> None:
@@ -102,9 +105,10 @@ def _sgd_update(group: dict, master, grad, states, step: int) -> None:
 
 
 def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Rule:
-    """The update of ``optimizer``'s class. Others: with tiles in device memory (``in_memory``), the user's
-    optimizer steps them as its parameters; offloaded, a ConfigError (the per-tile loop must reproduce the update
-    exactly, and the states must be segments it can move)."""
+    """The update of ``optimizer``'s class: torch's Adam, AdamW and SGD kernels driven here; any other class once
+    its step is found elementwise ([Note: elementwise optimizers] in elementwise.py; else a ConfigError naming
+    it): with tiles in device memory (``in_memory``) the user's optimizer steps them as its parameters, offloaded
+    its own step runs tile by tile."""
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):  # exactly: a subclass may step otherwise
         amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
         if any(g.get("capturable") or g.get("differentiable") for g in optimizer.param_groups):
@@ -113,12 +117,10 @@ def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Ru
     if type(optimizer) is torch.optim.SGD:
         momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
         return Rule(("momentum_buffer",) if momentum else (), _sgd_update)
+    stepper = ElementwiseStep(optimizer)
     if in_memory:
         return Rule((), None)
-    raise ConfigError(
-        f"offload_optimizer supports Adam, AdamW and SGD; got {type(optimizer).__name__}. Use one of those, or "
-        "remove zero_optimization.offload_optimizer"
-    )
+    return Rule(stepper.states, stepper.update, stepper)
 
 
 class TiledStep:
@@ -242,6 +244,8 @@ class TiledStep:
                 on_tile(tile)
         for group in range(len(self.steps)):
             self.steps[group] += 1
+        if self.rule.stepper is not None:
+            self.rule.stepper.finish()
 
     def _step_with(self, optimizer: torch.optim.Optimizer, on_tile) -> None:
         """The user's optimizer on every tile at once. The weights are taken tile by tile afterwards, so

@@ -1,0 +1,239 @@
+"""Any elementwise torch optimizer on tiles: its own step() run on one tile at a time, and the check that it is
+elementwise.
+
+[Note: elementwise optimizers]
+ZeRO flattens parameters: the masters are pieces of flat buffers (1-D, cut where the buckets and ranks fall), and
+offloaded they are tiles. An update that reads nothing but the element itself (Adam, Adagrad, RMSprop, Lion...)
+gives the same numbers on a piece as on the whole parameter; one that reads the whole tensor (Adafactor's factored
+moments and RMS scaling, LAMB's trust ratio, Muon's orthogonalization) would silently compute something else.
+So an optimizer class other than torch's Adam, AdamW and SGD (whose kernels tiles.py drives directly) is first
+tried on a probe: three steps on one 256-element tensor and on the same values cut in four tiles, bit-equal or
+refused, naming the class. The check runs the same code path as the real step, so a user's own optimizer needs
+no declaration: if its step is elementwise on a probe, it steps tiles.
+
+A tile's step runs the class's own step() (below its hook wrapper: the user's step hooks and an LR scheduler's
+counter see one step per engine step, not one per tile) with the optimizer's param groups and state swapped for
+one stand-in parameter: the tile's master as data, its gradient as grad, its state entries views of the tile's
+segment. Per-element states live in the segment; the scalar entries ("step", NAdam's "mu_product", ASGD's "eta"
+and "mu") are the same for every element of a group, so they are kept once per group: every tile starts the step
+from the group's values and the group takes the new ones after its last tile. A state built in __init__ (Adagrad's
+"sum") must start at one constant per group, read from the optimizer before the engine clears its state; a lazy
+state is built by the class's own first step on the tile and then copied into the segment.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from infinity.errors import CheckpointError, ConfigError
+
+PROBE_TILES = 4
+PROBE_STEPS = 3
+
+# Classes known not to be elementwise, with why (the probe would refuse them too, with a vaguer message).
+NOT_ELEMENTWISE = {
+    "Adafactor": "it factors the second moment over a 2-D parameter's rows and columns and scales each update by "
+                 "the parameter's RMS",
+    "LBFGS": "it needs a closure and searches along the whole model's gradient history",
+    "SparseAdam": "it steps sparse gradients only",
+    "Muon": "it orthogonalizes each 2-D parameter's update as a matrix",
+    "Lamb": "it scales each parameter's update by a trust ratio over the whole parameter",
+    "FusedLamb": "it scales each parameter's update by a trust ratio over the whole parameter",
+}  # fmt: skip
+
+
+def raw_step(optimizer: torch.optim.Optimizer) -> Callable:
+    """The class's step without torch's hook wrapper (which runs step hooks and counts calls)."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+@dataclass(slots=True)
+class GroupStart:
+    """How a param group's state starts: built in __init__ (constant per-element values and scalar entries) or by
+    the first step (lazy)."""
+
+    eager: bool = False
+    fills: dict[str, float] = field(default_factory=dict)
+    scalars: dict[str, object] = field(default_factory=dict)
+
+
+def _clone(value):
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
+    """Each group's starting state, read from the optimizer as its __init__ left it (empty: lazy)."""
+    starts = []
+    for g, group in enumerate(optimizer.param_groups):
+        start = GroupStart()
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            start.eager = True
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
+                    first = value.reshape(-1)[0].item()
+                    if not bool((value == first).all()) or start.fills.setdefault(key, first) != first:
+                        raise ConfigError(
+                            f"{type(optimizer).__name__} starts its state {key!r} in param group {g} from values "
+                            "that vary by element; ZeRO steps flat pieces of parameters and can only start such a "
+                            "state from one constant per group"
+                        )
+                else:
+                    start.scalars.setdefault(key, _clone(value))
+        starts.append(start)
+    return starts
+
+
+class ElementwiseStep:
+    """Steps one tile at a time with the optimizer's own step ([Note: elementwise optimizers])."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.starts = _starts(optimizer)
+        self.states, self.scalar_keys = _probe(self)
+        self.scalars: list[dict[str, object]] = [{} for _ in optimizer.param_groups]  # after the last step
+        self._next: list[dict[str, object] | None] = [None] * len(optimizer.param_groups)
+        self._step = raw_step(optimizer)
+
+    # ---- one tile ----
+    def _group_index(self, group: dict) -> int:
+        for index, candidate in enumerate(self.optimizer.param_groups):
+            if candidate is group:
+                return index
+        raise ValueError("the param group is not the optimizer's")
+
+    def update(self, group: dict, master: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor],
+               step: int) -> None:  # fmt: skip
+        """The tile's step: ``states`` are its segment's views, in ``self.states`` order; ``step``: steps taken."""
+        index = self._group_index(group)
+        views = dict(zip(self.states, states, strict=True))
+        state = self._state_before(index, views, step)
+        self._run(group, master, grad, state)
+        for name, view in views.items():
+            value = state.get(name)
+            if torch.is_tensor(value) and value.data_ptr() != view.data_ptr():
+                view.copy_(value)  # built by the class (a lazy first step) or replaced, not updated in place
+        self._next[index] = {k: v for k, v in state.items() if k not in views}
+
+    def _state_before(self, index: int, views: dict[str, torch.Tensor], step: int) -> dict:
+        start = self.starts[index]
+        if step == 0 and not start.eager:
+            return {}  # the class builds its state on its first step
+        if step == 0:
+            for name, view in views.items():
+                view.fill_(start.fills.get(name, 0.0))
+            scalars = start.scalars
+        else:
+            scalars = self.scalars[index]
+        state = {k: _clone(v) for k, v in scalars.items()}
+        state.update(views)
+        return state
+
+    def _run(self, group: dict, master: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+        param = torch.nn.Parameter(master, requires_grad=True)  # shares the master's memory
+        param.grad = grad
+        optimizer = self.optimizer
+        saved = optimizer.param_groups, optimizer.state
+        optimizer.param_groups = [{**group, "params": [param]}]
+        optimizer.state = defaultdict(dict, {param: state})
+        try:
+            self._step(optimizer)
+        finally:
+            optimizer.param_groups, optimizer.state = saved
+
+    def finish(self) -> None:
+        """After every tile of a step: each group takes its new scalar entries."""
+        for index, values in enumerate(self._next):
+            if values is not None:
+                self.scalars[index] = values
+        self._next = [None] * len(self._next)
+
+    # ---- checkpoints ----
+    def saved_scalars(self, group: int) -> dict:
+        return {key: encode_scalar(value) for key, value in self.scalars[group].items()}
+
+    def load_scalars(self, group: int, saved: dict, steps: int) -> None:
+        """A checkpoint's scalar entries for the group (``steps`` taken); a group that has not stepped has none."""
+        if steps == 0:
+            self.scalars[group] = {}
+            return
+        missing = [k for k in self.scalar_keys if k not in saved and k != "step"]
+        if missing:
+            raise CheckpointError(f"the checkpoint keeps no {missing} for param group {group} of "
+                                  f"{type(self.optimizer).__name__}; pass load_optimizer_states=False")  # fmt: skip
+        values = {key: decode_scalar(entry) for key, entry in saved.items()}
+        if "step" in self.scalar_keys and "step" not in values:
+            values["step"] = torch.tensor(float(steps), dtype=torch.float32)
+        self.scalars[group] = values
+
+
+def _probe(stepper: ElementwiseStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Runs the optimizer on a probe whole and in tiles, per param group; returns the per-element state names and
+    the scalar entries' names (unions over the groups, in the order met), or refuses it."""
+    optimizer = stepper.optimizer
+    name = type(optimizer).__name__
+    if name in NOT_ELEMENTWISE:
+        raise ConfigError(f"{name} cannot step ZeRO's flat partitions: {NOT_ELEMENTWISE[name]}. Use an elementwise "
+                          "optimizer (Adam, AdamW, SGD, Adagrad, RMSprop, Lion, ...)")  # fmt: skip
+    states: dict[str, None] = {}
+    scalars: dict[str, None] = {}
+    numel = PROBE_TILES * 64
+    stepper._step = raw_step(optimizer)
+    for index, group in enumerate(optimizer.param_groups):
+        generator = torch.Generator().manual_seed(1234 + index)
+        whole = torch.randn(numel, generator=generator)
+        tiles = whole.clone()
+        whole_state: dict = _probe_state(stepper.starts[index], numel)
+        tile_states = [_probe_state(stepper.starts[index], numel // PROBE_TILES) for _ in range(PROBE_TILES)]
+        try:
+            for _ in range(PROBE_STEPS):
+                grad = torch.randn(numel, generator=generator)
+                stepper._run(group, whole, grad, whole_state)
+                for k, part in enumerate(tiles.chunk(PROBE_TILES)):
+                    stepper._run(group, part, grad.chunk(PROBE_TILES)[k].clone(), tile_states[k])
+        except Exception as e:  # noqa: BLE001 - whatever the class raises, it cannot step tiles
+            raise ConfigError(f"{name} cannot step ZeRO's flat partitions: on a probe tensor its step raised "
+                              f"{type(e).__name__}: {e}") from None  # fmt: skip
+        same = torch.equal(whole, tiles)
+        for key, value in whole_state.items():
+            if torch.is_tensor(value) and value.shape == whole.shape:
+                states.setdefault(key)
+                parts = [s.get(key) for s in tile_states]
+                same = same and all(torch.is_tensor(p) for p in parts) and torch.equal(value, torch.cat(parts))
+            else:
+                scalars.setdefault(key)
+        if not same:
+            raise ConfigError(
+                f"{name} is not elementwise: stepped on a 256-element probe whole and in {PROBE_TILES} pieces "
+                f"(param group {index}), the results differ. ZeRO steps flat pieces of parameters, so it would "
+                "change the math; use an elementwise optimizer (Adam, AdamW, SGD, Adagrad, RMSprop, Lion, ...)"
+            )
+    return tuple(states), tuple(scalars)
+
+
+def _probe_state(start: GroupStart, numel: int) -> dict:
+    if not start.eager:
+        return {}
+    state = {k: _clone(v) for k, v in start.scalars.items()}
+    state.update({k: torch.full((numel,), v, dtype=torch.float32) for k, v in start.fills.items()})
+    return state
+
+
+def encode_scalar(value) -> dict:
+    """A scalar state entry as JSON (a 0-dim tensor keeps its dtype)."""
+    if torch.is_tensor(value):
+        return {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return {"value": value}
+
+
+def decode_scalar(entry: dict):
+    if "dtype" in entry:
+        return torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]))
+    return entry["value"]
