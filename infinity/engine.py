@@ -130,6 +130,12 @@ def check_model_free(model: nn.Module) -> None:
         )
 
 
+def live_engines() -> list[Engine]:
+    """The engines that hold a model and are not destroyed."""
+    found = (owner.engine() for owner in list(_OWNERS.values()))
+    return [engine for engine in found if engine is not None and not engine.destroyed]
+
+
 def claim_model(model: nn.Module, engine: Engine, *, partitioned: bool) -> None:
     key = id(model)
     if key not in _OWNERS:

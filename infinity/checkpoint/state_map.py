@@ -197,6 +197,10 @@ class StateMap:
         for g, group in enumerate(optimizer.groups):
             self.group_names[g] = [self._name(p) for p in group]
 
+    def refresh_state_names(self) -> None:
+        """The user's optimizer makes its states at its first step: names known since the map was built."""
+        self.state_names = tuple(dict.fromkeys((*self.state_names, *self._state_names())))
+
     def _state_names(self) -> tuple[str, ...]:
         """The optimizer's per-element states: the tiles' rule, or what the user's optimizer holds (nothing
         before its first step)."""
