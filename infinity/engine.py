@@ -23,6 +23,7 @@ from torch import nn
 from infinity.budget import owners_of, stage3_units
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
+from infinity.engine_controls import EngineControls
 from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
@@ -295,7 +296,7 @@ def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
     return value
 
 
-class Engine(nn.Module):
+class Engine(EngineControls, nn.Module):
     """Wraps the model: forward, backward with loss scaling and gradient reduction, step at the boundary."""
 
     def __init__(
@@ -605,9 +606,6 @@ class Engine(nn.Module):
     def optimizer_state_bytes(self) -> int:
         return self.zero_optimizer.state_bytes()
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
-
     # ---- training ----
     def forward(self, *args, **kwargs):
         start = time.perf_counter()
@@ -676,6 +674,9 @@ class Engine(nn.Module):
             self._phase_seconds["step"] += time.perf_counter() - start
             if self.global_steps % self.config.steps_per_print == 0 and self.comm.rank == 0:
                 self._report()
+            self.micro_steps += 1
+            self._after_boundary_step()
+            return
         self.micro_steps += 1
 
     def _heap_within_host(self) -> None:
@@ -738,12 +739,14 @@ class Engine(nn.Module):
         """ZeRO-3 fetch telemetry of the last optimizer step (all its micro-steps); empty below stage 3."""
         return self._fetch_stats.as_dict() if self.stage3 is not None else {}
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective (every rank calls it; a rank calling it alone gets a CollectiveUsageError): the model's
         weights in the compute dtype, written by rank 0 as safetensors (``.bin``/``.pt``: DeepSpeed's torch.save
         file), with a transformers model's config.json beside them (checkpoint/model16.py). At stage 3 the
         weights are gathered one unit at a time, and only with stage3_gather_16bit_weights_on_model_save;
-        without it this returns False, as DeepSpeed does."""
+        without it this returns False, as DeepSpeed does. ``exclude_frozen_parameters``: only the parameters the
+        optimizer updates (a LoRA fine-tune's adapters) and the buffers."""
         from infinity.checkpoint.model16 import save_16bit
 
         self.distributed.check_call("save_16bit_model")
@@ -753,16 +756,18 @@ class Engine(nn.Module):
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save true"
             )
             return False
-        save_16bit(self, save_dir, save_filename)
+        save_16bit(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
     # ---- checkpoints (infinity/checkpoint) ----
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:  # fmt: skip
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:  # fmt: skip
         """Collective: saves everything needed to resume exactly (weights and fp32 masters, optimizer states,
         scheduler, loss scaler, counters, data loader position, RNG, ``client_state``) as a universal Zarr
         checkpoint ``<save_dir>/<tag>`` (tag default ``global_step<N>``), written in parallel by every rank
-        ([Note: crash-safe save] in checkpoint/save.py); ``latest`` names it. Only between optimizer steps."""
+        ([Note: crash-safe save] in checkpoint/save.py); ``latest`` names it. Only between optimizer steps.
+        ``exclude_frozen_parameters``: without the parameters the optimizer does not update (a LoRA fine-tune's
+        base); a load keeps the loading run's own values of those."""
         from infinity.checkpoint.save import save_engine
 
         self.distributed.check_call("save_checkpoint")
@@ -774,7 +779,8 @@ class Engine(nn.Module):
                 "that ends a boundary"
             )
         self._drop_kept_buffers()
-        self.last_checkpoint = save_engine(self, save_dir, tag, client_state, save_latest)
+        self.last_checkpoint = save_engine(self, save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
     def _drop_kept_buffers(self) -> None:

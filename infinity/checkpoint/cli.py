@@ -22,6 +22,8 @@ def main(argv: list[str]) -> int:
     fp32.add_argument("out_dir", help="folder for the safetensors files (created)")
     fp32.add_argument("--tag", default=None, help="the tag to convert (default: the one `latest` names)")
     fp32.add_argument("--max-shard-size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    fp32.add_argument("--exclude-frozen-parameters", action="store_true",
+                      help="only the parameters the run trained (a LoRA fine-tune's adapters), and the buffers")
     args = parser.parse_args(argv)
     from infinity.checkpoint.consolidate import describe, to_fp32
 
@@ -29,7 +31,8 @@ def main(argv: list[str]) -> int:
         if args.command == "info":
             print(describe(args.ckpt_dir, args.tag, every_array=args.arrays))
         else:
-            files = to_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size)
+            files = to_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size,
+                            exclude_frozen_parameters=args.exclude_frozen_parameters)
             print("\n".join(files))
     except (CheckpointError, ValueError) as e:
         print(f"infinity ckpt {args.command}: {e}", file=sys.stderr)

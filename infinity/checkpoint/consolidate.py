@@ -81,19 +81,46 @@ def _output_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else dtype
 
 
+def frozen_names(manifest: Manifest) -> set[str]:
+    """Parameters the saved run's optimizer did not update (in none of its param groups)."""
+    optimized = {name for group in manifest.groups for name in group.params}
+    return {key.removeprefix(PARAMS) for key in manifest.arrays
+            if key.startswith(PARAMS) and key.removeprefix(PARAMS) not in optimized}  # fmt: skip
+
+
+def state_arrays(folder: str, manifest: Manifest, *, exclude_frozen_parameters: bool = False) -> list[tuple]:
+    """(key, name, meta) of the parameters and buffers a state dict holds, in the checkpoint's order."""
+    frozen = frozen_names(manifest) if exclude_frozen_parameters else set()
+    found = []
+    for key in manifest.arrays:
+        name = key.split("/", 1)[1]
+        if key.startswith(BUFFERS) or (key.startswith(PARAMS) and name not in frozen):
+            found.append((key, name, read_array_meta(folder, key)))
+    return found
+
+
+def read_whole(folder: str, key: str, meta, *, step_bytes: int = 8 << 20) -> torch.Tensor:
+    """One array as a tensor of its shape (floating point as fp32), read chunk by chunk."""
+    out = torch.empty(meta.numel, dtype=_output_dtype(meta.dtype))
+    step = max(1, step_bytes // meta.dtype.itemsize)
+    for first in range(0, meta.numel, step):
+        end = min(first + step, meta.numel)
+        out[first:end].copy_(read_range(folder, key, meta, first, end))
+    return out.view(meta.shape)
+
+
 def to_fp32(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tag: str | None = None,
-            max_shard_size: str | int = "5GB", step_bytes: int = 8 << 20) -> list[str]:  # fmt: skip
+            max_shard_size: str | int = "5GB", step_bytes: int = 8 << 20,
+            exclude_frozen_parameters: bool = False) -> list[str]:  # fmt: skip
     """Writes the checkpoint's parameters (fp32) and buffers as safetensors shards + index into ``out_dir``;
     returns the files written. Tied parameters appear once, under their first name (as transformers saves them);
-    the index's metadata lists the aliases."""
+    the index's metadata lists the aliases. ``exclude_frozen_parameters``: without the parameters the saved
+    run did not train (a LoRA fine-tune's base)."""
     folder = tag_folder(ckpt_dir, tag)
     manifest = Manifest.read(folder)
     limit = parse_size(max_shard_size)
-    entries = []
-    for key in manifest.arrays:
-        if key.startswith((PARAMS, BUFFERS)):
-            meta = read_array_meta(folder, key)
-            entries.append((key, Entry(key.split("/", 1)[1], meta.shape, _output_dtype(meta.dtype)), meta))
+    arrays = state_arrays(folder, manifest, exclude_frozen_parameters=exclude_frozen_parameters)
+    entries = [(key, Entry(name, meta.shape, _output_dtype(meta.dtype)), meta) for key, name, meta in arrays]
     shards: list[list] = [[]]
     size = 0
     for item in entries:

@@ -143,6 +143,9 @@ def _load(engine, folder: str, manifest: Manifest, comm, *, load_optimizer_state
         reader = ArrayReader(folder, manifest, io)
         state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                              rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
+        excluded = set(manifest.extra.get("frozen_excluded", ()))
+        if excluded:  # saved with exclude_frozen_parameters: this run keeps its own values of those
+            state_map.exclude_frozen(only=excluded)
         if with_states:
             _check_states(engine, state_map, manifest, folder)
         keys = _key_map(state_map, manifest, reader, with_states)
@@ -242,7 +245,7 @@ def _load_arrays(engine, state_map: StateMap, reader: ArrayReader, keys: dict[st
     shards = engine.stage3.table.shards if engine.stage3 is not None else None
     for region in state_map.regions:
         if shards is not None:
-            piece = shards.edit(region.piece, overwrite=True)
+            piece = shards.edit(region.piece, overwrite=not region.keeps_frozen)
             for fragment in [*region.optimized, *region.others]:
                 first = fragment.offset - region.start
                 reader.read_into(keys[PARAMS + fragment.name], fragment.param_start,

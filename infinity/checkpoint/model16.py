@@ -18,8 +18,14 @@ from infinity.checkpoint.safetensors_io import Entry, SafetensorsWriter
 from infinity.checkpoint.state_map import parameter_names, persistent_buffers
 
 
-def save_16bit(engine, save_dir: str | os.PathLike, save_filename: str) -> None:
+def save_16bit(engine, save_dir: str | os.PathLike, save_filename: str, *,
+               exclude_frozen_parameters: bool = False) -> None:  # fmt: skip
+    """``exclude_frozen_parameters``: only the parameters the optimizer updates (a LoRA fine-tune's adapters), and
+    the buffers; at stage 3 a unit of frozen parameters alone is not even gathered."""
     module = engine.module
+    optimized = {id(p) for group in engine.zero_optimizer.groups for p in group} if engine.zero_optimizer else None
+    skipped = set() if not exclude_frozen_parameters or optimized is None else {
+        id(p) for p in module.parameters() if id(p) not in optimized}  # fmt: skip
     rank0 = engine.comm.rank == 0
     names, _ = parameter_names(module)
     buffers = persistent_buffers(module)
@@ -30,6 +36,8 @@ def save_16bit(engine, save_dir: str | os.PathLike, save_filename: str) -> None:
     for key in module.state_dict(keep_vars=True):
         if key in params:
             param = params[key]
+            if id(param) in skipped:
+                continue
             if names[id(param)] == key or legacy:  # a tied weight's other names: only in torch.save's dict
                 dtype = engine.compute_dtype if engine.stage3 is not None else param.dtype
                 entries.append(Entry(key, tuple(shapes.get(id(param), param.shape)), dtype))
@@ -54,11 +62,15 @@ def save_16bit(engine, save_dir: str | os.PathLike, save_filename: str) -> None:
     try:
         if engine.stage3 is None:
             for param in module.parameters():
-                take(names[id(param)], param)
+                if id(param) not in skipped:
+                    take(names[id(param)], param)
         else:
             for unit in engine.stage3.table.units:
+                wanted = [param for param in unit.params if id(param) not in skipped]
+                if not wanted:
+                    continue  # the same on every rank: no gather to take part in
                 gathered = engine.stage3.gather(unit.params)
-                for param in unit.params:
+                for param in wanted:
                     take(names[id(param)], param)
                 engine.stage3.partition(gathered, modifier_rank=None)
         for name, buffer in buffers.items():

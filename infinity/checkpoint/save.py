@@ -90,7 +90,7 @@ def agree(comm, value, what: str):
 
 
 def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict | None,
-                save_latest: bool = True) -> SaveStats:  # fmt: skip
+                save_latest: bool = True, exclude_frozen_parameters: bool = False) -> SaveStats:  # fmt: skip
     started = time.perf_counter()
     comm = engine.comm
     save_dir = os.path.abspath(os.fspath(save_dir))
@@ -100,6 +100,8 @@ def save_engine(engine, save_dir: str | os.PathLike, tag: str | None, client_sta
     tmp = final + ".tmp"
     state_map = StateMap(module=engine.module, optimizer=engine.zero_optimizer, world_size=comm.world_size,
                          rank=comm.rank, steps_taken=engine.global_steps - engine.skipped_steps)  # fmt: skip
+    if exclude_frozen_parameters:
+        state_map.exclude_frozen()
     error, engine_state = None, None
     try:  # before anything is written: a client_state a weights-only load could not read is refused by key
         if comm.rank == 0:
@@ -291,7 +293,8 @@ def _manifest(engine, state_map: StateMap) -> Manifest:
     for key, spec in state_map.specs.items():
         arrays[key] = {"shape": list(spec.meta.shape), "dtype": dtype_name(spec.meta.dtype)}
     for name, dtype in [*((n, p.dtype) for n, p in state_map.replicated), *_stage3_others(engine, state_map)]:
-        arrays[PARAMS + name]["torch_dtype"] = dtype_name(dtype)
+        if PARAMS + name in arrays:  # else left out (exclude_frozen_parameters)
+            arrays[PARAMS + name]["torch_dtype"] = dtype_name(dtype)
     for name, buffer in state_map.buffers.items():
         arrays["buffers/" + name]["torch_dtype"] = dtype_name(buffer.dtype)
     steps = state_map.group_steps()
@@ -306,7 +309,8 @@ def _manifest(engine, state_map: StateMap) -> Manifest:
         global_steps=engine.global_steps, micro_steps=engine.micro_steps, skipped_steps=engine.skipped_steps,
         arrays=arrays, aliases=state_map.aliases, groups=groups, state_names=list(state_map.state_names),
         scalar_keys=state_map.scalar_keys(), config=json_safe_config(engine.raw_config),
-        library_version=__version__, extra={"optimizer": type(engine.zero_optimizer.optimizer).__name__},
+        library_version=__version__, extra={"optimizer": type(engine.zero_optimizer.optimizer).__name__,
+                                            "frozen_excluded": state_map.frozen_excluded},
     )  # fmt: skip
 
 

@@ -59,6 +59,7 @@ class Region:
     numel: int
     optimized: list[Fragment] = field(default_factory=list)  # values from the optimizer's masters and states
     others: list[Fragment] = field(default_factory=list)  # stage 3: parameters outside the optimizer, in the piece
+    keeps_frozen: bool = False  # frozen parameters' elements in the piece are not in the map (exclude_frozen)
 
 
 @dataclass(slots=True)
@@ -123,6 +124,7 @@ class StateMap:
         self.specs: dict[str, ArraySpec] = {}
         self.regions: list[Region] = []
         self.replicated: list[tuple[str, nn.Parameter]] = []  # parameters every rank holds whole, unpartitioned
+        self.frozen_excluded: list[str] = []  # frozen parameters left out of the map (exclude_frozen)
         self.optimized: dict[str, tuple] = {}  # name -> (shape, owners) of the parameters the optimizer updates
         self.group_names: list[list[str]] = [[] for _ in optimizer.param_groups]
         self.state_names = self._state_names()
@@ -196,6 +198,22 @@ class StateMap:
             self.regions.append(region)
         for g, group in enumerate(optimizer.groups):
             self.group_names[g] = [self._name(p) for p in group]
+
+    def exclude_frozen(self, only: set[str] | None = None) -> None:
+        """Leaves out the parameters the optimizer does not update (save_checkpoint's exclude_frozen_parameters: a
+        LoRA fine-tune's base weights, which the loading run takes from elsewhere), or those of them in ``only``
+        (a load: the ones the checkpoint left out); their names go to ``frozen_excluded``."""
+        names = [name for name, _ in self.replicated if only is None or name in only]
+        self.replicated = [(n, p) for n, p in self.replicated if n not in names]
+        for region in self.regions:
+            dropped = [f for f in region.others if only is None or f.name in only]
+            if dropped:
+                names += [fragment.name for fragment in dropped]
+                region.others = [f for f in region.others if f not in dropped]
+                region.keeps_frozen = True
+        self.frozen_excluded = list(dict.fromkeys(names))
+        for name in self.frozen_excluded:
+            self.specs.pop(PARAMS + name, None)
 
     def refresh_state_names(self) -> None:
         """The user's optimizer makes its states at its first step: names known since the map was built."""

@@ -187,6 +187,23 @@ class Stage3:
             if release:
                 self.coordinator.release_now(index)
 
+    # ---- DeepSpeed's register_external_parameter ----
+    def external_use(self, module: nn.Module, param: nn.Parameter, *, used: bool) -> None:
+        """``module``'s forward uses (or no longer uses) ``param`` of another module: its unit is fetched with the
+        module's own from the start (a use found on the fly, _FetchOnUse, does the same from then on)."""
+        found = self.table.unit_of(param)
+        positions = [i for i, m in enumerate(self.table.modules) if m is module]
+        if found is None or found[0].persistent or not positions:
+            return  # not partitioned, always gathered, or a module whose uses are found as they happen
+        position, unit = positions[0], found[0].index
+        own = {entry[0].index for p in module._parameters.values()
+               if p is not None and (entry := self.table.unit_of(p)) is not None}  # fmt: skip
+        units = self.table.module_units[position]
+        if used and unit not in units:
+            self.table.module_units[position] = (*units, unit)
+        elif not used and unit in units and unit not in own:
+            self.table.module_units[position] = tuple(u for u in units if u != unit)
+
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
