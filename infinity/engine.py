@@ -608,6 +608,7 @@ class Engine(EngineControls, nn.Module):
 
     # ---- training ----
     def forward(self, *args, **kwargs):
+        self.check_states_here("forward", ("lp_params",))
         start = time.perf_counter()
         output = self.module(
             *_cast_inputs(args, self.compute_dtype, self.device),
@@ -646,6 +647,7 @@ class Engine(EngineControls, nn.Module):
 
     def step(self) -> None:
         """The optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        self.check_states_here("step", ("optim_states", "hp_params", "lp_params"))
         start = time.perf_counter()
         self._step_applied = False  # a step() inside an accumulation window changes nothing
         if self.is_gradient_accumulation_boundary():
@@ -771,6 +773,7 @@ class Engine(EngineControls, nn.Module):
         from infinity.checkpoint.save import save_engine
 
         self.distributed.check_call("save_checkpoint")
+        self.check_states_here("save_checkpoint", ("optim_states", "hp_params", "lp_params"))
         if self.micro_steps % self.config.gradient_accumulation_steps != 0 or self._backward_pending:
             raise CheckpointError(
                 f"save_checkpoint called in the middle of gradient accumulation (micro-step {self.micro_steps}, "
@@ -842,6 +845,7 @@ class Engine(EngineControls, nn.Module):
         """Collective (every rank calls it): finishes what is in flight, removes the engine's hooks, and tears
         down the process groups it created ([Note: teardown] in distributed.py). Also runs at interpreter exit
         for an engine still alive then, so a script may simply end."""
+        self.drop_offloaded_states()
         _remove_hooks(self.zero_optimizer, self.stage3)
         self.distributed.close()
         trim_heap()  # the freed blocks the heap policy kept for the next step (memory/host.py)

@@ -1,13 +1,34 @@
 """DeepSpeed's engine methods that change training state between steps: zero_grad, set_train_batch_size,
-set_gradient_accumulation_boundary and empty_partition_cache. A mixin of Engine (engine.py), kept apart so the
-engine's module stays about forward, backward and step."""
+set_gradient_accumulation_boundary, empty_partition_cache, offload_states and reload_states. A mixin of Engine
+(engine.py), kept apart so the engine's module stays about forward, backward and step."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+
+import torch
+
+from infinity.aio.handle import AioHandle
+from infinity.errors import ConfigError, InfinityError
+from infinity.memory.parking import Parking
+from infinity.memory.tiers import Tier
 
 logger = logging.getLogger("infinity")
+
+# DeepSpeed's OffloadStateTypeEnum values
+STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
+OFFLOAD_DEVICES = ("cpu", "nvme")
+
+
+class StatesOffloadedError(InfinityError):
+    """The engine was used while offload_states() had its states away."""
+
+
+def _kind_name(value) -> str:
+    """A DeepSpeed enum member or its value."""
+    return str(getattr(value, "value", value))
 
 
 class EngineControls:
@@ -15,6 +36,7 @@ class EngineControls:
     ``_backward_pending``."""
 
     _boundary_override: bool | None = None
+    _parked: dict[str, Parking] | None = None  # offload_states: what is away, by state kind
 
     def zero_grad(self) -> None:
         """DeepSpeed's: drops the gradient accumulated so far in this window (every rank's reduced partition),
@@ -71,3 +93,122 @@ class EngineControls:
         self.stage3.table.pool.clear()
         self.stage3.table.shards.drop_spares()
         self.zero_optimizer.reducer.drop_spares(all_of_them=True)
+
+    # ---- DeepSpeed's offload_states / reload_states ([Note: parking] in memory/parking.py) ----
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False,
+                       nvme_path: str | os.PathLike | None = None) -> None:  # fmt: skip
+        """DeepSpeed's: moves training state off the compute device between phases (an RLHF loop's generation),
+        until reload_states(). ``include``: DeepSpeed's OffloadStateTypeEnum members or their values
+        (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; default all). ``device``: "cpu"
+        (pinned host memory where CUDA exists; on a CPU-only machine the states are there already) or, here also,
+        "nvme": a file in ``nvme_path`` (default: the config's offload nvme_path), host-resident states included,
+        so host memory is freed too. Masters and optimizer states offloaded together share their tiles: naming
+        either moves both. ``non_blocking`` is accepted; the copies complete before this returns."""
+        kinds = self._offload_kinds(include)
+        target = _kind_name(device)
+        if target not in OFFLOAD_DEVICES:
+            raise ConfigError(f"offload_states: device must be 'cpu' or 'nvme', got {device!r}")
+        if self._parked:
+            raise ConfigError(f"offload_states: {sorted(self._parked)} are offloaded already; call reload_states() "
+                              "first")  # fmt: skip
+        if self._backward_pending:
+            raise ConfigError("offload_states between backward and step: the gradient would be lost; call it "
+                              "after engine.step()")  # fmt: skip
+        if "contiguous_grad_buffer" in kinds or "lp_grads" in kinds:
+            self.zero_optimizer.reducer.drop_spares(all_of_them=True)  # the gradient itself is freed by each step
+            if self.stage3 is not None:
+                self.stage3.table.pool.clear()
+        path = self._parking_path(nvme_path) if target == "nvme" else None
+        handle = AioHandle.from_settings(self.config.aio) if path is not None else None
+        chosen: dict[str, list[torch.Tensor]] = {}
+        seen: set[int] = set()
+        for kind in ("optim_states", "hp_params", "lp_params"):
+            if kind in kinds:
+                chosen[kind] = []
+                for tensor in self._state_tensors(kind, nvme=path is not None):
+                    storage = tensor.untyped_storage()
+                    if (path is None and tensor.device.type == "cpu") or storage.nbytes() == 0:
+                        continue  # in host memory already, or empty
+                    if storage.data_ptr() not in seen:  # a storage shared by two kinds goes with the first
+                        seen.add(storage.data_ptr())
+                        chosen[kind].append(tensor)
+        parked: dict[str, Parking] = {}
+        try:
+            for kind, tensors in chosen.items():
+                parking = Parking(tensors, path=f"{path}.{kind}" if path else None, handle=handle,
+                                  pin_memory=pin_memory)  # fmt: skip
+                parked[kind] = parking
+                parking.park()
+        except BaseException:
+            for parking in parked.values():
+                parking.reload()
+            if handle is not None:
+                handle.close()
+            raise
+        self._parked = parked
+        self._parking_handle = handle
+        moved = sum(p.nbytes for p in parked.values())
+        logger.info("offload_states: %s moved to %s (%.1f MiB)", ", ".join(sorted(parked)) or "nothing",
+                    target, moved / 2**20)  # fmt: skip
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: brings back what offload_states() moved, in place (every view stays valid)."""
+        parked, self._parked = self._parked or {}, None
+        try:
+            for parking in parked.values():
+                parking.reload()
+        finally:
+            handle = getattr(self, "_parking_handle", None)
+            if handle is not None:
+                handle.close()
+                self._parking_handle = None
+
+    def drop_offloaded_states(self) -> None:
+        """destroy(): what offload_states() parked is not needed any more; its files go."""
+        parked, self._parked = self._parked or {}, None
+        for parking in parked.values():
+            parking.discard_file()
+        handle = getattr(self, "_parking_handle", None)
+        if handle is not None:
+            handle.close()
+            self._parking_handle = None
+
+    def check_states_here(self, use: str, kinds: tuple[str, ...]) -> None:
+        """A forward needs the weights, a step the optimizer's states: offloaded ones are a clear error."""
+        away = [kind for kind in kinds if self._parked and kind in self._parked]
+        if away:
+            raise StatesOffloadedError(f"{use} while offload_states() has {', '.join(away)} away: call "
+                                       "engine.reload_states() first")  # fmt: skip
+
+    def _offload_kinds(self, include) -> set[str]:
+        if include is None:
+            return set(STATE_KINDS)
+        kinds = {_kind_name(item) for item in include}
+        unknown = sorted(kinds - set(STATE_KINDS))
+        if unknown:
+            raise ConfigError(f"offload_states: unknown state {unknown}; use {', '.join(STATE_KINDS)}")
+        return kinds
+
+    def _parking_path(self, nvme_path) -> str:
+        folder = nvme_path
+        if folder is None:
+            zero = self.config.zero
+            folder = zero.offload_optimizer.nvme_path or zero.offload_param.nvme_path
+        if not folder:
+            raise ConfigError("offload_states(device='nvme') needs a folder: pass nvme_path=, or set "
+                              "zero_optimization.offload_optimizer.nvme_path")  # fmt: skip
+        return os.path.join(os.fspath(folder), f"infinity-parked-{os.getpid()}-rank{self.comm.rank}")
+
+    def _state_tensors(self, kind: str, *, nvme: bool) -> list[torch.Tensor]:
+        optimizer = self.zero_optimizer
+        if kind in ("optim_states", "hp_params"):
+            if optimizer.tiled is not None:  # masters and states share each tile's segment
+                return optimizer.tiled.manager.home_tensors({Tier.DEVICE, Tier.HOST} if nvme else {Tier.DEVICE})
+            if kind == "hp_params":
+                return [] if optimizer.masters_are_weights else list(optimizer.masters)
+            return [value for state in optimizer.optimizer.state.values() for value in state.values()
+                    if torch.is_tensor(value) and value.dim() > 0]  # fmt: skip
+        if self.stage3 is not None:  # lp_params: the rank's pieces, and the always-gathered persistent unit
+            table = self.stage3.table
+            return table.shards.held_tensors() + [unit.full for unit in table.units if unit.persistent]
+        return [flat for weights in optimizer.weights for flat in weights]

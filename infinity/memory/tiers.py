@@ -214,6 +214,10 @@ class TierManager:
                 self._homes[spec.name] = torch.empty(spec.numel, dtype=spec.dtype, device=self.device)
         self._open = True
 
+    def home_tensors(self, tiers: set[Tier]) -> list[torch.Tensor]:
+        """The home tensors of the segments whose home is in ``tiers`` (offload_states parks them)."""
+        return [self._homes[name] for name, spec in self._specs.items() if spec.home in tiers and name in self._homes]
+
     def initialize(self, name: str, fill: Callable[[torch.Tensor], None]) -> None:
         """The segment's first value: ``fill(tensor)`` writes it (NVMe: into a ring buffer, written out at once,
         so no more than the ring is ever in host memory)."""

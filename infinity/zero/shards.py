@@ -316,6 +316,10 @@ class UnitShards:
         self.load_into(index, out)
         return out
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The memory holding the rank's pieces in device or host memory (offload_states parks it)."""
+        return ([] if self.flat is None else [self.flat]) + list(self._resident.values())
+
     def close(self) -> None:
         for index in list(self._copying):
             self._copied(index)

@@ -1,0 +1,115 @@
+"""DeepSpeed's offload_states / reload_states ([Note: parking] in infinity/memory/parking.py): the states leave
+memory (here to a file on the real disk: this machine has no accelerator, so its host memory is the device's),
+host memory is measured before and after, the engine refuses what needs them while they are away, and once they
+are back training continues bitwise as a run that never moved them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import infinity
+from infinity.engine_controls import StatesOffloadedError
+from infinity.errors import ConfigError
+from infinity.memory.host import process_status_bytes
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(4)), nn.Linear(1024, 4))
+
+
+def config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage}}  # fmt: skip
+
+
+def train(engine, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 1024, generator=gen), torch.randn(4, 4, generator=gen)
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def weights(engine) -> list[torch.Tensor]:
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_states_go_to_nvme_free_host_memory_and_come_back_bitwise(stage, tmp_path):
+    moved, *_ = infinity.initialize(model=model(), config=config(stage))
+    kept, *_ = infinity.initialize(model=model(), config=config(stage))
+    try:
+        train(moved, range(2))
+        want = train(kept, range(4))
+        before = process_status_bytes("VmRSS")
+        moved.offload_states(device="nvme", nvme_path=tmp_path)
+        after = process_status_bytes("VmRSS")
+        parked = sum(p.nbytes for p in moved._parked.values())
+        params = sum(p.numel() for p in moved.module.parameters())
+        assert parked >= params * 4 * 3  # fp32 weights, Adam's two states (the masters are the fp32 weights)
+        assert before - after >= 0.8 * parked, (before, after, parked)
+        assert sorted(f.name.rsplit(".", 1)[1] for f in tmp_path.iterdir()) == ["lp_params", "optim_states"]
+        with pytest.raises(StatesOffloadedError, match="forward while offload_states.*reload_states"):
+            moved(torch.randn(4, 1024))
+        with pytest.raises(ConfigError, match="offloaded already"):
+            moved.offload_states(device="nvme", nvme_path=tmp_path)
+        moved.reload_states()
+        assert list(tmp_path.iterdir()) == []
+        got = train(moved, range(2, 4))
+        assert got == want[2:]
+        assert all(torch.equal(a, b) for a, b in zip(weights(moved), weights(kept), strict=True))
+    finally:
+        moved.destroy()
+        kept.destroy()
+
+
+def test_optimizer_states_alone_leave_the_model_usable_for_generation(tmp_path):
+    """An RLHF loop's shape: the optimizer's states away while the policy generates, back for training."""
+    moved, *_ = infinity.initialize(model=model(), config=config(2))
+    kept, *_ = infinity.initialize(model=model(), config=config(2))
+    try:
+        train(moved, range(2))
+        want = train(kept, range(4))
+        moved.offload_states(include=["optim_states"], device="nvme", nvme_path=tmp_path)
+        with torch.no_grad():
+            moved(torch.randn(4, 1024))  # the weights are here
+        x = torch.randn(4, 1024)
+        moved.backward(moved(x).pow(2).mean())
+        with pytest.raises(StatesOffloadedError, match="step while offload_states.*optim_states"):
+            moved.step()
+        moved.zero_grad()
+        moved.reload_states()
+        assert train(moved, range(2, 4)) == want[2:]
+        assert all(torch.equal(a, b) for a, b in zip(weights(moved), weights(kept), strict=True))
+    finally:
+        moved.destroy()
+        kept.destroy()
+
+
+def test_bad_requests_are_clear_errors_and_destroy_removes_parked_files(tmp_path):
+    engine, *_ = infinity.initialize(model=model(), config=config(3))
+    try:
+        train(engine, range(1))
+        with pytest.raises(ConfigError, match="unknown state \\['weights'\\]"):
+            engine.offload_states(include=["weights"])
+        with pytest.raises(ConfigError, match="device must be 'cpu' or 'nvme'"):
+            engine.offload_states(device="disk")
+        with pytest.raises(ConfigError, match="needs a folder"):
+            engine.offload_states(device="nvme")
+        engine.offload_states(device="cpu")  # no accelerator: everything is in host memory already
+        assert all(p.nbytes == 0 for p in engine._parked.values())
+        engine.reload_states()
+        train(engine, range(1, 2))
+        engine.offload_states(device="nvme", nvme_path=tmp_path)
+        assert list(tmp_path.iterdir())
+    finally:
+        engine.destroy()
+    assert list(tmp_path.iterdir()) == []
