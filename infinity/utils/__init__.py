@@ -85,3 +85,12 @@ def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
     state_of(param).set_local_grad(param, value)
+
+
+def __getattr__(name: str):
+    """``infinity.utils.zero_to_fp32`` (DeepSpeed's ``deepspeed.utils.zero_to_fp32``) on first use."""
+    if name == "zero_to_fp32":
+        import importlib
+
+        return importlib.import_module("infinity.utils.zero_to_fp32")
+    raise AttributeError(f"module 'infinity.utils' has no attribute {name!r}")

@@ -82,3 +82,20 @@ def test_mlp_example_under_torchrun(tmp_path):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
                 "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]  # fmt: skip
     assert_loss_fell(run([*launcher, str(EXAMPLES / "train_mlp.py"), "--steps", "3"], cwd=tmp_path, timeout=180))
+
+
+def test_a_deepspeed_script_runs_after_changing_its_import(tmp_path):
+    """examples/deepspeed_zero3.py is written for DeepSpeed (``import deepspeed``) and checks each call against
+    DeepSpeed's documented result; with ``import infinity as deepspeed`` instead, it runs at stage 3 with
+    parameters and optimizer states on NVMe, under torchrun with two processes."""
+    source = (EXAMPLES / "deepspeed_zero3.py").read_text()
+    assert source.count("\nimport deepspeed\n") == 1
+    script = tmp_path / "script.py"
+    script.write_text(source.replace("\nimport deepspeed\n", "\nimport infinity as deepspeed\n"))
+    (tmp_path / "nvme").mkdir()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0"]  # fmt: skip
+    done = run([*launcher, str(script), "--nvme", str(tmp_path / "nvme")], cwd=tmp_path, timeout=180)
+    assert_loss_fell(done)
+    assert "Estimated memory needed for params, optim states and gradients" in done.stdout, done.stdout[-3000:]
+    assert list((tmp_path / "nvme").iterdir()) == []
