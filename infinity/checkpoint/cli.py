@@ -1,4 +1,5 @@
-"""`infinity ckpt info | to-fp32`: look into a checkpoint, or turn it into a plain fp32 state dict."""
+"""`infinity ckpt info | to-fp32 | from-deepspeed`: look into a checkpoint, turn it into a plain fp32 state dict, or
+make one from a DeepSpeed ZeRO checkpoint."""
 
 from __future__ import annotations
 
@@ -24,12 +25,22 @@ def main(argv: list[str]) -> int:
     fp32.add_argument("--max-shard-size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
     fp32.add_argument("--exclude-frozen-parameters", action="store_true",
                       help="only the parameters the run trained (a LoRA fine-tune's adapters), and the buffers")
+    convert = commands.add_parser(
+        "from-deepspeed", help="convert a DeepSpeed ZeRO checkpoint (stages 1-3) into one infinity resumes"
+    )
+    convert.add_argument("ckpt_dir", help="DeepSpeed's save_dir (with `latest`), or one tag's folder")
+    convert.add_argument("out_dir", help="folder for the infinity checkpoint (load_checkpoint(out_dir) resumes it)")
+    convert.add_argument("--tag", default=None, help="the tag to convert (default: the one `latest` names)")
     args = parser.parse_args(argv)
     from infinity.checkpoint.consolidate import describe, to_fp32
 
     try:
         if args.command == "info":
             print(describe(args.ckpt_dir, args.tag, every_array=args.arrays))
+        elif args.command == "from-deepspeed":
+            from infinity.checkpoint.from_deepspeed import from_deepspeed
+
+            print(from_deepspeed(args.ckpt_dir, args.out_dir, tag=args.tag))
         else:
             files = to_fp32(args.ckpt_dir, args.out_dir, tag=args.tag, max_shard_size=args.max_shard_size,
                             exclude_frozen_parameters=args.exclude_frozen_parameters)

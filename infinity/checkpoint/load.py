@@ -355,8 +355,9 @@ def _apply_engine_state(engine, state: dict, load_lr_scheduler_states: bool) -> 
 def _read_rng(folder: str, rank: int, *, weights_only: bool) -> dict | None:
     path = rng_path(folder, rank)
     if not os.path.exists(path):
-        logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size); "
-                       "this rank's RNG is left as it is", rank, folder)  # fmt: skip
+        logger.warning("load_checkpoint: no RNG state for rank %d in %s (saved at another world size, or "
+                       "converted from DeepSpeed, which keeps none); this rank's RNG is left as it is",
+                       rank, folder)  # fmt: skip
         return None
     return pickled.load(path, weights_only=weights_only, numpy_arrays=True)  # earlier releases: numpy arrays
 
