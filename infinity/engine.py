@@ -24,6 +24,7 @@ from infinity.budget import owners_of, stage3_units
 from infinity.config import AutoValues, Config, load_json, parse_config
 from infinity.distributed import collective_timeout_s, compute_device, init_distributed
 from infinity.engine_controls import EngineControls
+from infinity.engine_getters import EngineGetters
 from infinity.errors import CheckpointError, ConfigError, InfinityError
 from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
@@ -296,7 +297,7 @@ def _cast_inputs(value, dtype: torch.dtype, device: torch.device):
     return value
 
 
-class Engine(EngineControls, nn.Module):
+class Engine(EngineControls, EngineGetters, nn.Module):
     """Wraps the model: forward, backward with loss scaling and gradient reduction, step at the boundary."""
 
     def __init__(

@@ -69,3 +69,52 @@ def test_was_step_applied_and_global_samples_follow_the_accumulation_window(tmp_
         assert engine.global_samples == 16
     finally:
         engine.destroy()
+
+
+def test_config_getters_answer_from_the_config(tmp_path):
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+              "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True,
+                                    "offload_optimizer": {"device": "cpu"}}}  # fmt: skip
+    engine, *_ = infinity.initialize(model=_model(), config=config)
+    try:
+        assert (engine.bfloat16_enabled(), engine.fp16_enabled(), engine.dynamic_loss_scale()) == (True, False, False)
+        assert engine.gradient_clipping() == 0.5 and engine.get_batch_info() == (8, 4, 2)
+        assert engine.zero_optimization_partition_weights() and engine.zero_optimization_partition_gradients()
+        assert engine.zero_cpu_offload() and engine.zero_offload_param() is None and engine.zero_overlap_comm()
+        assert engine.optimizer_name() == "adamw" and engine.optimizer_params() == {"lr": 1e-3}
+        state = engine.module_state_dict()  # stage 3: gathered, whole
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            for name, param in engine.module.named_parameters():
+                assert torch.equal(state[name], param.detach())
+        engine.set_train_micro_batch_size(2)
+        assert engine.get_batch_info() == (4, 2, 2)
+        with pytest.raises(AttributeError, match="engine.curriculum_learning_enabled is not in infinity: .*own loader"):
+            engine.curriculum_learning_enabled()
+        with pytest.raises(AttributeError, match="no attribute 'made_up'"):
+            engine.made_up  # noqa: B018
+    finally:
+        engine.destroy()
+
+
+def test_every_deepspeed_engine_name_is_here_or_refused_with_a_reason():
+    """Against DeepSpeed's own engine class (the test extra installs DeepSpeed; read in a child process, so its
+    import touches nothing here): each public name is an attribute of infinity's engine, or an AttributeError that
+    says why (engine_getters.NOT_HERE)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (the test extra installs it)")
+    code = ("from deepspeed.runtime.engine import DeepSpeedEngine as E\n"
+            "print(' '.join(n for n in vars(E) if n[0] != '_'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    from infinity.engine import Engine
+    from infinity.engine_getters import NOT_HERE
+
+    names = done.stdout.split()
+    assert len(names) > 150
+    assert [n for n in names if not hasattr(Engine, n) and n not in NOT_HERE] == []
