@@ -202,18 +202,20 @@ class StateMap:
     def exclude_frozen(self, only: set[str] | None = None) -> None:
         """Leaves out the parameters the optimizer does not update (save_checkpoint's exclude_frozen_parameters: a
         LoRA fine-tune's base weights, which the loading run takes from elsewhere), or those of them in ``only``
-        (a load: the ones the checkpoint left out); their names go to ``frozen_excluded``."""
-        names = [name for name, _ in self.replicated if only is None or name in only]
+        (a load: the ones the checkpoint left out); their names go to ``frozen_excluded``. The names come from the
+        whole model, the same on every rank, not from the fragments this rank holds."""
+        frozen = [key.removeprefix(PARAMS) for key in self.specs
+                  if key.startswith(PARAMS) and key.removeprefix(PARAMS) not in self.optimized]  # fmt: skip
+        names = {name for name in frozen if only is None or name in only}
         self.replicated = [(n, p) for n, p in self.replicated if n not in names]
         for region in self.regions:
-            dropped = [f for f in region.others if only is None or f.name in only]
-            if dropped:
-                names += [fragment.name for fragment in dropped]
-                region.others = [f for f in region.others if f not in dropped]
+            kept = [f for f in region.others if f.name not in names]
+            if len(kept) != len(region.others):
+                region.others = kept
                 region.keeps_frozen = True
-        self.frozen_excluded = list(dict.fromkeys(names))
+        self.frozen_excluded = [name for name in frozen if name in names]
         for name in self.frozen_excluded:
-            self.specs.pop(PARAMS + name, None)
+            del self.specs[PARAMS + name]
 
     def refresh_state_names(self) -> None:
         """The user's optimizer makes its states at its first step: names known since the map was built."""

@@ -162,3 +162,48 @@ def test_a_lora_checkpoint_without_frozen_weights_resumes_into_a_base_from_elsew
     assert torch.equal(params["0.base.weight"], base["0.base.weight"])
     saved = helpers.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "adapters")
     assert "0.base.weight" not in saved and torch.equal(params["0.lora_a"], saved["0.lora_a"])
+
+
+def _lora_resume(*, rank: int, world_size: int, folder: str) -> dict:
+    """Stage 3 with world_size ranks: two steps, a save without the frozen base, a fresh engine resuming from it
+    (base from the same initialization), two more steps; and the same four steps uninterrupted."""
+
+    def steps(engine, numbers):
+        losses = []
+        for number in numbers:
+            gen = torch.Generator().manual_seed(number)
+            x, y = torch.randn(4 * world_size, 16, generator=gen), torch.randn(4 * world_size, 4, generator=gen)
+            loss = (engine(x[rank * 4 : (rank + 1) * 4]) - y[rank * 4 : (rank + 1) * 4]).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    whole, *_ = infinity.initialize(model=lora_model(), config=config(3))
+    want = steps(whole, range(4))
+    with infinity.zero.GatheredParameters(list(whole.module.parameters())):
+        want_params = {n: p.detach().clone() for n, p in whole.module.named_parameters()}
+    whole.destroy()
+    first, *_ = infinity.initialize(model=lora_model(), config=config(3))
+    got = steps(first, range(2))
+    first.save_checkpoint(folder, exclude_frozen_parameters=True)
+    first.destroy()
+    resumed, *_ = infinity.initialize(model=lora_model(), config=config(3))
+    resumed.load_checkpoint(folder)
+    got += steps(resumed, range(2, 4))
+    with infinity.zero.GatheredParameters(list(resumed.module.parameters())):
+        got_params = {n: p.detach().clone() for n, p in resumed.module.named_parameters()}
+    resumed.destroy()
+    return {"want": want, "got": got, "same": all(torch.equal(got_params[n], want_params[n]) for n in want_params)}
+
+
+def test_exclude_frozen_parameters_at_world_size_2(tmp_path):
+    """Each rank holds pieces of other frozen parameters: the names left out are the model's, on every rank."""
+    from tests.distributed.harness import run_distributed
+
+    results = run_distributed(_lora_resume, 2, tmp_path, timeout_s=120, folder=str(tmp_path / "adapters"))
+    for result in results:
+        assert result["got"] == result["want"] and result["same"]
+    manifest = json.loads((tmp_path / "adapters" / "global_step2" / "manifest.json").read_text())
+    assert sorted(manifest["extra"]["frozen_excluded"]) == ["0.base.bias", "0.base.weight", "2.base.bias",
+                                                           "2.base.weight"]  # fmt: skip
