@@ -39,12 +39,12 @@ class EngineControls:
     _parked: dict[str, Parking] | None = None  # offload_states: what is away, by state kind
 
     def zero_grad(self) -> None:
-        """DeepSpeed's: drops the gradient accumulated so far in this window (every rank's reduced partition),
-        so the next backward starts a fresh one. The window's micro-step count is left as it is."""
-        self.zero_optimizer.zero_grad()
+        """DeepSpeed's: the model's ``.grad`` fields go to None. The gradient ZeRO accumulates over the window is
+        the engine's, as in DeepSpeed, and stays: a loop that calls zero_grad() after every micro-step still
+        steps on the whole window. (Here ``.grad`` is None already: each gradient moves into the engine's buffers
+        as it is made.)"""
         for param in self.module.parameters():
             param.grad = None
-        self._backward_pending = False
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: a new global batch size, reached by changing gradient_accumulation_steps (the micro-batch
