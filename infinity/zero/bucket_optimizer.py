@@ -14,6 +14,7 @@ from torch import nn
 from infinity.comm import Comm
 from infinity.memory.plan import MAX_TILE_GATHERS
 from infinity.zero import collectives
+from infinity.zero.elementwise import group_starts, seed_states
 from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
 from infinity.zero.partition import Bucket, GroupLayout, plan
 from infinity.zero.reducer import GradientReducer
@@ -86,11 +87,13 @@ class ZeroOptimizer(PartitionedOptimizer):
         for params, layout in zip(self.groups, self.layouts, strict=True):
             self._flatten_group(params, layout)
         if self.tiled is None:
+            starts = group_starts(optimizer)  # before the state goes: how a class that builds it in __init__ starts
             for group in optimizer.param_groups:
                 group["params"] = []
             for master, (group, _) in zip(self.masters, self._master_at, strict=True):
                 optimizer.param_groups[group]["params"].append(master)
             optimizer.state.clear()
+            seed_states(optimizer, starts)
         self.gradients_in_memory = gradient_shards_for(self.layouts, device, offload)
         self.reducer = GradientReducer(
             comm=comm, stage=stage, layouts=self.layouts, gradients=self.gradients_in_memory,

@@ -11,14 +11,16 @@ tried on a probe: three steps on one 256-element tensor and on the same values c
 refused, naming the class. The check runs the same code path as the real step, so a user's own optimizer needs
 no declaration: if its step is elementwise on a probe, it steps tiles.
 
-A tile's step runs the class's own step() (below its hook wrapper: the user's step hooks and an LR scheduler's
-counter see one step per engine step, not one per tile) with the optimizer's param groups and state swapped for
-one stand-in parameter: the tile's master as data, its gradient as grad, its state entries views of the tile's
-segment. Per-element states live in the segment; the scalar entries ("step", NAdam's "mu_product", ASGD's "eta"
-and "mu") are the same for every element of a group, so they are kept once per group: every tile starts the step
-from the group's values and the group takes the new ones after its last tile. A state built in __init__ (Adagrad's
-"sum") must start at one constant per group, read from the optimizer before the engine clears its state; a lazy
-state is built by the class's own first step on the tile and then copied into the segment.
+A tile's step runs the class's own step() (below its hook wrapper: the user's step hooks run once per engine step,
+around all the tiles, as for torch's Adam kernels driven in tiles.py) with the optimizer's param groups and state
+swapped for one stand-in parameter: the tile's master as data, its gradient as grad, its state entries views of the
+tile's segment. Per-element states live in the segment; the scalar entries ("step", NAdam's "mu_product", ASGD's
+"eta" and "mu") are the same for every element of a group, so they are kept once per group: every tile starts the
+step from the group's values and the group takes the new ones after its last tile. A state built in __init__
+(Adagrad's "sum") must start at one constant per group, read from the optimizer before the engine clears its state;
+a lazy state is built by the class's own first step on the tile and then copied into the segment. Entries a step
+changes in the param group itself (a counter some classes keep there) are applied to the group once, after its last
+tile: every tile steps from the group as the step began, and the probe checks that each piece changes it alike.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ NOT_ELEMENTWISE = {
 }  # fmt: skip
 
 
+def run_step_hooks(optimizer: torch.optim.Optimizer, *, post: bool) -> None:
+    """The user's step hooks (global and the optimizer's), once per engine step, where the engine steps the
+    optimizer's state without calling its step() (tiles); and the flag LR schedulers read to know a step ran."""
+    from torch.optim import optimizer as torch_optimizer
+
+    if post:
+        optimizer._opt_called = True  # noqa: SLF001 - what torch's LR schedulers check before warning
+        hooks = [*optimizer._optimizer_step_post_hooks.values(),
+                 *getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values()]  # fmt: skip
+    else:
+        hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+                 *optimizer._optimizer_step_pre_hooks.values()]  # fmt: skip
+    for hook in hooks:
+        hook(optimizer, (), {})
+
+
 def raw_step(optimizer: torch.optim.Optimizer) -> Callable:
     """The class's step without torch's hook wrapper (which runs step hooks and counts calls)."""
     step = type(optimizer).step
@@ -66,7 +84,7 @@ def _clone(value):
     return value.clone() if torch.is_tensor(value) else value
 
 
-def _starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
+def group_starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
     """Each group's starting state, read from the optimizer as its __init__ left it (empty: lazy)."""
     starts = []
     for g, group in enumerate(optimizer.param_groups):
@@ -91,15 +109,43 @@ def _starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
     return starts
 
 
+def seed_states(optimizer: torch.optim.Optimizer, starts: list[GroupStart]) -> None:
+    """The optimizer's parameters are ZeRO's pieces now, its state cleared: a class that builds its state in
+    __init__ gets it again, for the pieces, from each group's start (a lazy class builds it at its first step)."""
+    for group, start in zip(optimizer.param_groups, starts, strict=True):
+        if not start.eager:
+            continue
+        for param in group["params"]:
+            state = {key: _clone(value) for key, value in start.scalars.items()}
+            state.update({key: torch.full_like(param, fill) for key, fill in start.fills.items()})
+            optimizer.state[param] = state
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared count as changed
+        return False
+
+
+def _changes(before: dict, after: dict) -> dict:
+    """The param group's entries a step changed or added (a counter kept in the group, as some classes do)."""
+    return {k: v for k, v in after.items() if k != "params" and (k not in before or not _same(before[k], v))}
+
+
 class ElementwiseStep:
     """Steps one tile at a time with the optimizer's own step ([Note: elementwise optimizers])."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.starts = _starts(optimizer)
+        self.starts = group_starts(optimizer)
         self.states, self.scalar_keys = _probe(self)
         self.scalars: list[dict[str, object]] = [{} for _ in optimizer.param_groups]  # after the last step
         self._next: list[dict[str, object] | None] = [None] * len(optimizer.param_groups)
+        self._before: dict[int, dict] = {}  # per group: its entries as the step began (every tile starts there)
+        self._group_changes: dict[int, dict] = {}  # per group: what the step changed in it, applied once
         self._step = raw_step(optimizer)
 
     # ---- one tile ----
@@ -115,7 +161,9 @@ class ElementwiseStep:
         index = self._group_index(group)
         views = dict(zip(self.states, states, strict=True))
         state = self._state_before(index, views, step)
-        self._run(group, master, grad, state)
+        before = self._before.setdefault(index, {k: _clone(v) for k, v in group.items() if k != "params"})
+        after = self._run(before, master, grad, state)
+        self._group_changes[index] = _changes(before, after)
         for name, view in views.items():
             value = state.get(name)
             if torch.is_tensor(value) and value.data_ptr() != view.data_ptr():
@@ -136,24 +184,33 @@ class ElementwiseStep:
         state.update(views)
         return state
 
-    def _run(self, group: dict, master: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    def _run(self, group: dict, master: torch.Tensor, grad: torch.Tensor, state: dict) -> dict:
+        """The class's step on one stand-in parameter, with a copy of ``group``'s entries; returns that copy as
+        the step left it."""
         param = torch.nn.Parameter(master, requires_grad=True)  # shares the master's memory
         param.grad = grad
         optimizer = self.optimizer
         saved = optimizer.param_groups, optimizer.state
-        optimizer.param_groups = [{**group, "params": [param]}]
+        alone = {**{k: _clone(v) for k, v in group.items() if k != "params"}, "params": [param]}
+        optimizer.param_groups = [alone]
         optimizer.state = defaultdict(dict, {param: state})
         try:
             self._step(optimizer)
         finally:
             optimizer.param_groups, optimizer.state = saved
+        return alone
 
     def finish(self) -> None:
-        """After every tile of a step: each group takes its new scalar entries."""
+        """After every tile of a step: each group takes its new scalar entries, and the step's changes to the
+        param group's own entries (once, as one step on the whole would make them)."""
         for index, values in enumerate(self._next):
             if values is not None:
                 self.scalars[index] = values
+        for index, changes in self._group_changes.items():
+            self.optimizer.param_groups[index].update(changes)
         self._next = [None] * len(self._next)
+        self._before.clear()
+        self._group_changes.clear()
 
     # ---- checkpoints ----
     def saved_scalars(self, group: int) -> dict:
@@ -192,16 +249,21 @@ def _probe(stepper: ElementwiseStep) -> tuple[tuple[str, ...], tuple[str, ...]]:
         tiles = whole.clone()
         whole_state: dict = _probe_state(stepper.starts[index], numel)
         tile_states = [_probe_state(stepper.starts[index], numel // PROBE_TILES) for _ in range(PROBE_TILES)]
+        entries = {k: _clone(v) for k, v in group.items() if k != "params"}  # the group as steps change it
+        same = True
         try:
             for _ in range(PROBE_STEPS):
                 grad = torch.randn(numel, generator=generator)
-                stepper._run(group, whole, grad, whole_state)
+                changed = _changes(entries, stepper._run(entries, whole, grad, whole_state))
                 for k, part in enumerate(tiles.chunk(PROBE_TILES)):
-                    stepper._run(group, part, grad.chunk(PROBE_TILES)[k].clone(), tile_states[k])
+                    mine = _changes(entries, stepper._run(entries, part, grad.chunk(PROBE_TILES)[k].clone(),
+                                                          tile_states[k]))  # fmt: skip
+                    same = same and mine.keys() == changed.keys() and all(_same(mine[k], changed[k]) for k in mine)
+                entries.update(changed)
         except Exception as e:  # noqa: BLE001 - whatever the class raises, it cannot step tiles
             raise ConfigError(f"{name} cannot step ZeRO's flat partitions: on a probe tensor its step raised "
                               f"{type(e).__name__}: {e}") from None  # fmt: skip
-        same = torch.equal(whole, tiles)
+        same = same and torch.equal(whole, tiles)
         for key, value in whole_state.items():
             if torch.is_tensor(value) and value.shape == whole.shape:
                 states.setdefault(key)
@@ -229,7 +291,7 @@ def _probe_state(start: GroupStart, numel: int) -> dict:
 def encode_scalar(value) -> dict:
     """A scalar state entry as JSON (a 0-dim tensor keeps its dtype)."""
     if torch.is_tensor(value):
-        return {"value": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+        return {"value": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
     return {"value": value}
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from infinity.comm import Comm
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
+from infinity.zero.elementwise import run_step_hooks, seed_states
 from infinity.zero.gradient_shards import GradientShards, gradient_device
 from infinity.zero.grads import piece_squares
 from infinity.zero.reducer import GradientReducer
@@ -83,6 +84,8 @@ class PartitionedOptimizer:
         if self.tiled.rule.update is None:
             for tile, param in zip(self.tiled.tiles, self.tiled.as_parameters(), strict=True):
                 self.optimizer.param_groups[tile.group]["params"].append(param)
+            if self.tiled.rule.starts is not None:
+                seed_states(self.optimizer, self.tiled.rule.starts)  # a state the class builds in __init__
 
     def prefetch_states(self) -> None:
         """At the end of the boundary's backward: start reading the first tiles of the step."""
@@ -130,7 +133,12 @@ class PartitionedOptimizer:
             if coefficient < 1.0:
                 self._scale_grads(coefficient)
         if self.tiled is not None:
+            driven = self.tiled.rule.update is not None  # else the user's step() runs, with its hooks
+            if driven:
+                run_step_hooks(self.optimizer, post=False)
             self._step_tiles()
+            if driven:
+                run_step_hooks(self.optimizer, post=True)
         else:
             grads = self.grad_shards
             for master, (group, first) in zip(self.masters, self._master_at, strict=True):

@@ -31,7 +31,7 @@ from torch.optim import adam, sgd
 
 from infinity.errors import ConfigError
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
-from infinity.zero.elementwise import ElementwiseStep
+from infinity.zero.elementwise import ElementwiseStep, GroupStart
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,7 @@ class Rule:
     update: Callable[[dict, torch.Tensor, torch.Tensor, list[torch.Tensor], int], None] | None
     # None: the user's own optimizer steps the tiles' masters as its parameters (tiles in device memory only)
     stepper: ElementwiseStep | None = None  # any other elementwise class: its own step, tile by tile
+    starts: list[GroupStart] | None = None  # without update: how the class's state starts (seed_states)
 
 
 def _adam_update(group: dict, master, grad, states, step: int) -> None:
@@ -119,7 +120,7 @@ def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Ru
         return Rule(("momentum_buffer",) if momentum else (), _sgd_update)
     stepper = ElementwiseStep(optimizer)
     if in_memory:
-        return Rule((), None)
+        return Rule((), None, starts=stepper.starts)
     return Rule(stepper.states, stepper.update, stepper)
 
 

@@ -182,3 +182,76 @@ def test_config_names_build_the_classes(tmp_path):
         config["optimizer"] = {"type": name, "params": {}}
         with pytest.raises(ConfigError, match=f"optimizer.type '{name}' is not supported.*{why}"):
             infinity.initialize(model=build(MODEL), config=config)
+
+
+class GroupCountedSgd(torch.optim.Optimizer):
+    """Keeps its step count in the param group (as some classes do) and steps by lr / sqrt(count)."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"] / group["count"] ** 0.5)
+
+
+class EagerAdagrad(torch.optim.Optimizer):
+    """Builds its state in __init__, with no fallback for a parameter it has not seen."""
+
+    def __init__(self, params, lr: float = 0.05, initial: float = 0.5) -> None:
+        super().__init__(params, {"lr": lr})
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param]["sum"] = torch.full_like(param, initial)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    total = self.state[param]["sum"]
+                    total.addcmul_(param.grad, param.grad)
+                    param.addcdiv_(param.grad, total.sqrt(), value=-group["lr"])
+
+
+@pytest.mark.parametrize("cls", [GroupCountedSgd, EagerAdagrad], ids=lambda c: c.__name__)
+def test_a_users_own_elementwise_optimizer_at_every_stage_and_tier(cls, tmp_path):
+    """In memory the class steps ZeRO's pieces as its parameters, offloaded its step runs per tile: either way
+    the results are plain PyTorch's, its counter in the param group advances once per step, its state built in
+    __init__ is there, and its step hooks run once per engine step."""
+    torch.manual_seed(0)
+    reference_model = build(MODEL)
+    reference_optimizer = cls(reference_model.parameters())
+    for step in range(3):
+        inputs, target = global_batch(MODEL, step, BATCH)
+        loss_fn(MODEL, reference_model(inputs), target).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    want = dict(reference_model.named_parameters())
+    for stage, device in [(0, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme")]:
+        model = build(MODEL)
+        optimizer = cls(model.parameters())
+        hooked: list[int] = []
+        optimizer.register_step_post_hook(lambda *args, calls=hooked: calls.append(1))
+        config = engine_config(stage=stage, micro=BATCH, accumulation=1, lr=1e-3, clip=0.0)
+        del config["optimizer"]
+        if device != "none":
+            config["zero_optimization"]["offload_optimizer"] = {"device": device, "nvme_path": str(tmp_path)}
+            config["zero_optimization"]["sub_group_size"] = 64
+        engine, *_ = infinity.initialize(model=model, config=config, optimizer=optimizer)
+        for step in range(3):
+            inputs, target = global_batch(MODEL, step, BATCH)
+            engine.backward(loss_fn(MODEL, engine(inputs), target))
+            engine.step()
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            for name, param in engine.module.named_parameters():
+                torch.testing.assert_close(param.detach(), want[name].detach(), rtol=1e-5, atol=1e-6,
+                                           msg=f"stage {stage} {device} {name}")  # fmt: skip
+        assert len(hooked) == 3, (stage, device, len(hooked))
+        if cls is GroupCountedSgd:
+            assert [g["count"] for g in engine.zero_optimizer.param_groups] == [3], (stage, device)
+        engine.destroy()
