@@ -753,6 +753,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         from infinity.checkpoint.model16 import save_16bit
 
         self.distributed.check_call("save_16bit_model")
+        self.check_states_here("save_16bit_model", ("lp_params",))
         if self.stage3 is not None and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
                 "save_16bit_model: nothing saved; at stage 3 it needs "
@@ -805,6 +806,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         parameter of the model must be in the checkpoint. ``weights_only`` (infinity's, as torch.load's): the
         checkpoint's pickled files are read without running code; False only for a checkpoint you trust
         (checkpoint/pickled.py)."""
+        self.check_states_here("load_checkpoint")
         from infinity.checkpoint.load import load_engine
 
         self.distributed.check_call("load_checkpoint")

@@ -10,8 +10,7 @@ import os
 
 import torch
 
-from infinity.aio.handle import AioHandle
-from infinity.errors import ConfigError, InfinityError
+from infinity.errors import ConfigError, StatesOffloadedError
 from infinity.memory.parking import Parking
 from infinity.memory.tiers import Tier
 
@@ -20,10 +19,6 @@ logger = logging.getLogger("infinity")
 # DeepSpeed's OffloadStateTypeEnum values
 STATE_KINDS = ("optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer")
 OFFLOAD_DEVICES = ("cpu", "nvme")
-
-
-class StatesOffloadedError(InfinityError):
-    """The engine was used while offload_states() had its states away."""
 
 
 def _kind_name(value) -> str:
@@ -37,6 +32,7 @@ class EngineControls:
 
     _boundary_override: bool | None = None
     _parked: dict[str, Parking] | None = None  # offload_states: what is away, by state kind
+    _parked_params: list = []  # (parameter, its data) pointed at placeholders while lp_params is away
 
     def zero_grad(self) -> None:
         """DeepSpeed's: the model's ``.grad`` fields go to None. The gradient ZeRO accumulates over the window is
@@ -99,86 +95,99 @@ class EngineControls:
                        nvme_path: str | os.PathLike | None = None) -> None:  # fmt: skip
         """DeepSpeed's: moves training state off the compute device between phases (an RLHF loop's generation),
         until reload_states(). ``include``: DeepSpeed's OffloadStateTypeEnum members or their values
-        (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; default all). ``device``: "cpu"
-        (pinned host memory where CUDA exists; on a CPU-only machine the states are there already) or, here also,
-        "nvme": a file in ``nvme_path`` (default: the config's offload nvme_path), host-resident states included,
-        so host memory is freed too. Masters and optimizer states offloaded together share their tiles: naming
-        either moves both. ``non_blocking`` is accepted; the copies complete before this returns."""
+        (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; default all); a kind away already
+        stays where it is. ``device``: "cpu" (pinned host memory where CUDA exists; on a CPU-only machine the
+        states are there already) or, here also, "nvme": a file in ``nvme_path`` (default: the config's offload
+        nvme_path), host-resident states included, so host memory is freed too. Masters and optimizer states
+        offloaded together share their tiles: naming either moves both. As DeepSpeed, the gathered-parameter cache
+        is emptied first and CUDA's cached blocks are released after. ``non_blocking`` is accepted; the copies
+        complete before this returns."""
         kinds = self._offload_kinds(include)
         target = _kind_name(device)
         if target not in OFFLOAD_DEVICES:
             raise ConfigError(f"offload_states: device must be 'cpu' or 'nvme', got {device!r}")
-        if self._parked:
-            raise ConfigError(f"offload_states: {sorted(self._parked)} are offloaded already; call reload_states() "
-                              "first")  # fmt: skip
         if self._backward_pending:
             raise ConfigError("offload_states between backward and step: the gradient would be lost; call it "
                               "after engine.step()")  # fmt: skip
-        if "contiguous_grad_buffer" in kinds or "lp_grads" in kinds:
-            self.zero_optimizer.reducer.drop_spares(all_of_them=True)  # the gradient itself is freed by each step
-            if self.stage3 is not None:
-                self.stage3.table.pool.clear()
+        self.empty_partition_cache()  # also the spare gradient buffers (lp_grads, contiguous_grad_buffer)
         path = self._parking_path(nvme_path) if target == "nvme" else None
-        handle = AioHandle.from_settings(self.config.aio) if path is not None else None
+        away = dict(self._parked or {})
         chosen: dict[str, list[torch.Tensor]] = {}
         seen: set[int] = set()
         for kind in ("optim_states", "hp_params", "lp_params"):
-            if kind in kinds:
+            if kind in kinds and kind not in away:
                 chosen[kind] = []
                 for tensor in self._state_tensors(kind, nvme=path is not None):
                     storage = tensor.untyped_storage()
                     if (path is None and tensor.device.type == "cpu") or storage.nbytes() == 0:
-                        continue  # in host memory already, or empty
+                        continue  # in host memory already, empty, or away with another kind
                     if storage.data_ptr() not in seen:  # a storage shared by two kinds goes with the first
                         seen.add(storage.data_ptr())
                         chosen[kind].append(tensor)
+        placeholders = self._placeholders(chosen.get("lp_params", []))
         parked: dict[str, Parking] = {}
         try:
             for kind, tensors in chosen.items():
-                parking = Parking(tensors, path=f"{path}.{kind}" if path else None, handle=handle,
+                parking = Parking(tensors, path=f"{path}.{kind}" if path else None, aio=self.config.aio,
                                   pin_memory=pin_memory)  # fmt: skip
-                parked[kind] = parking
                 parking.park()
+                parked[kind] = parking
         except BaseException:
             for parking in parked.values():
                 parking.reload()
-            if handle is not None:
-                handle.close()
             raise
-        self._parked = parked
-        self._parking_handle = handle
+        for param, _ in placeholders:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._parked = {**away, **parked}
+        self._parked_params = getattr(self, "_parked_params", []) + placeholders
+        self._flag_parked()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the freed device memory to other processes, as DeepSpeed does
         moved = sum(p.nbytes for p in parked.values())
         logger.info("offload_states: %s moved to %s (%.1f MiB)", ", ".join(sorted(parked)) or "nothing",
                     target, moved / 2**20)  # fmt: skip
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """DeepSpeed's: brings back what offload_states() moved, in place (every view stays valid)."""
-        parked, self._parked = self._parked or {}, None
-        try:
-            for parking in parked.values():
-                parking.reload()
-        finally:
-            handle = getattr(self, "_parking_handle", None)
-            if handle is not None:
-                handle.close()
-                self._parking_handle = None
+        """DeepSpeed's: brings back what offload_states() moved, in place (every view stays valid). A kind whose
+        reload fails stays away, with its file, and the error is raised: call reload_states() again."""
+        for kind in list(self._parked or {}):
+            self._parked[kind].reload()
+            del self._parked[kind]
+            if kind == "lp_params":
+                for param, data in self._parked_params:
+                    param.data = data
+                self._parked_params = []
+        self._flag_parked()
 
     def drop_offloaded_states(self) -> None:
         """destroy(): what offload_states() parked is not needed any more; its files go."""
         parked, self._parked = self._parked or {}, None
         for parking in parked.values():
             parking.discard_file()
-        handle = getattr(self, "_parking_handle", None)
-        if handle is not None:
-            handle.close()
-            self._parking_handle = None
 
-    def check_states_here(self, use: str, kinds: tuple[str, ...]) -> None:
+    def check_states_here(self, use: str, kinds: tuple[str, ...] = ("optim_states", "hp_params", "lp_params")
+                          ) -> None:  # fmt: skip
         """A forward needs the weights, a step the optimizer's states: offloaded ones are a clear error."""
         away = [kind for kind in kinds if self._parked and kind in self._parked]
         if away:
             raise StatesOffloadedError(f"{use} while offload_states() has {', '.join(away)} away: call "
                                        "engine.reload_states() first")  # fmt: skip
+
+    def _placeholders(self, tensors: list[torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The model's parameters whose memory is among ``tensors``: they point at empty placeholders while it is
+        away (a read of a view of a parked storage would read freed memory)."""
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        return [(p, p.data) for p in self.module.parameters()
+                if p.numel() > 0 and p.untyped_storage().data_ptr() in storages]  # fmt: skip
+
+    def _flag_parked(self) -> None:
+        """The tier managers and stage 3's shards refuse I/O on parked memory (a clear error, not a crash)."""
+        parked = self._parked or {}
+        tiled = self.zero_optimizer.tiled
+        if tiled is not None:
+            tiled.manager.parked = "optim_states" in parked or "hp_params" in parked
+        if self.stage3 is not None:
+            self.stage3.table.shards.parked = "lp_params" in parked
 
     def _offload_kinds(self, include) -> set[str]:
         if include is None:

@@ -72,3 +72,7 @@ class CollectiveError(InfinityError):
 
 class CollectiveUsageError(InfinityError):
     """A collective API was called on some ranks only: every rank must call it, in the same order."""
+
+
+class StatesOffloadedError(InfinityError):
+    """The engine's states were used while engine.offload_states() had them away."""

@@ -39,7 +39,7 @@ import torch
 
 from infinity.aio.buffers import HostBuffer, allocate_host_buffer
 from infinity.aio.handle import AioHandle
-from infinity.errors import ConfigError, InfinityError, TierBudgetError
+from infinity.errors import ConfigError, InfinityError, StatesOffloadedError, TierBudgetError
 from infinity.memory.nvme_store import NvmeStore, SegmentRequest, _human
 
 logger = logging.getLogger("infinity")
@@ -184,6 +184,7 @@ class TierManager:
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._outsized = {d: Traffic() for d in DIRECTIONS}
         self._open = False
+        self.parked = False  # offload_states moved the homes' memory away ([Note: parking] in parking.py)
 
     # ---- setting up ----
     def add(self, name: str, numel: int, home: Tier, dtype: torch.dtype = torch.float32) -> SegmentSpec:
@@ -236,6 +237,9 @@ class TierManager:
         None when no buffer is free right now; acquiring one already held is an error (a second buffer: one of
         the two's writes would be lost). A home segment (host or device) is its home tensor, which every handle
         on it views, so holding it twice is one buffer and allowed."""
+        if self.parked:
+            raise StatesOffloadedError(f"{self.owner}: its states are away (engine.offload_states); call "
+                                       "engine.reload_states() first")  # fmt: skip
         spec = self._specs[name]
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)

@@ -38,6 +38,7 @@ import torch
 from infinity.aio.handle import AioSettings
 from infinity.comm import Comm
 from infinity.config import ZeroConfig
+from infinity.errors import StatesOffloadedError
 from infinity.memory.copies import CopyStream
 from infinity.memory.nvme_store import _human
 from infinity.memory.offload import parameter_tier
@@ -77,6 +78,7 @@ class UnitShards:
         # NVME home: the pieces in memory, gathered and edited in place: the persistent unit's (on the device)
         # and those max_in_cpu keeps (in host memory)
         self._resident: dict[int, torch.Tensor] = {}
+        self.parked = False  # offload_states moved the pieces' memory away ([Note: parking] in memory/parking.py)
         self.host_cap = host_numel
         self.kept: frozenset[int] = frozenset()  # NVME home: the units whose pieces max_in_cpu keeps in memory
         self.on_nvme: tuple[int, ...] = ()
@@ -131,6 +133,7 @@ class UnitShards:
     # ---- gathering ----
     def on_device(self, index: int) -> torch.Tensor | None:
         """The piece itself when it lives on the compute device (use it as the all-gather input), else None."""
+        self._check_here()
         piece = self._resident.get(index)
         if piece is None and self.flat is not None:
             piece = self.flat[self._span(index)]
@@ -139,6 +142,7 @@ class UnitShards:
     def load_into(self, index: int, out: torch.Tensor) -> None:
         """out <- the piece. With CUDA, inside ``copies.side()`` the copy is queued on the side stream ([Note: copy
         stream] in memory/copies.py); a staging buffer goes back to the ring when it has been copied."""
+        self._check_here()
         if index in self._resident or self.flat is not None:
             source = self._resident[index] if index in self._resident else self.flat[self._span(index)]
             event = self.copies.copy(out, source)
@@ -227,6 +231,7 @@ class UnitShards:
 
     def store(self, index: int, values: torch.Tensor) -> None:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
+        self._check_here()
         self._copied(index)
         if index in self._staged:
             self.manager.release(self._staged.pop(index), dirty=False)
@@ -241,6 +246,7 @@ class UnitShards:
     def edit(self, index: int, *, overwrite: bool = False) -> torch.Tensor:
         """The piece, writable in place until ``commit(index)``. ``overwrite``: the caller writes every element
         of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
+        self._check_here()
         self._copied(index)
         if index in self._resident:
             return self._resident[index]
@@ -315,6 +321,11 @@ class UnitShards:
         out = torch.empty(self.layout.buckets[index].piece_numel, dtype=self.dtype)
         self.load_into(index, out)
         return out
+
+    def _check_here(self) -> None:
+        if self.parked:
+            raise StatesOffloadedError("the parameters' pieces are away (engine.offload_states): call "
+                                       "engine.reload_states() first")  # fmt: skip
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The memory holding the rank's pieces in device or host memory (offload_states parks it)."""

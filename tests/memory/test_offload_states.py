@@ -10,9 +10,10 @@ import torch
 import torch.nn as nn
 
 import infinity
-from infinity.engine_controls import StatesOffloadedError
-from infinity.errors import ConfigError
+from infinity.aio.handle import AioHandle
+from infinity.errors import ConfigError, StatesOffloadedError
 from infinity.memory.host import process_status_bytes
+from infinity.memory.parking import Parking
 
 
 def model() -> nn.Module:
@@ -53,14 +54,13 @@ def test_states_go_to_nvme_free_host_memory_and_come_back_bitwise(stage, tmp_pat
         moved.offload_states(device="nvme", nvme_path=tmp_path)
         after = process_status_bytes("VmRSS")
         parked = sum(p.nbytes for p in moved._parked.values())
-        params = sum(p.numel() for p in moved.module.parameters())
+        params = sum(p.numel() for p in kept.module.parameters())
         assert parked >= params * 4 * 3  # fp32 weights, Adam's two states (the masters are the fp32 weights)
         assert before - after >= 0.8 * parked, (before, after, parked)
         assert sorted(f.name.rsplit(".", 1)[1] for f in tmp_path.iterdir()) == ["lp_params", "optim_states"]
         with pytest.raises(StatesOffloadedError, match="forward while offload_states.*reload_states"):
             moved(torch.randn(4, 1024))
-        with pytest.raises(ConfigError, match="offloaded already"):
-            moved.offload_states(device="nvme", nvme_path=tmp_path)
+        moved.offload_states(device="nvme", nvme_path=tmp_path)  # everything is away already: nothing moves
         moved.reload_states()
         assert list(tmp_path.iterdir()) == []
         got = train(moved, range(2, 4))
@@ -115,3 +115,105 @@ def test_bad_requests_are_clear_errors_and_destroy_removes_parked_files(tmp_path
     finally:
         engine.destroy()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_what_would_read_parked_memory_is_a_clear_error(stage, tmp_path):
+    """A view of a parked storage must not be read: the engine's entry points refuse, the model's parameters are
+    empty placeholders meanwhile, stage 3's shards and the tiers refuse I/O."""
+    zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
+    config_ = {**config(stage), "zero_optimization": zero}
+    engine, *_ = infinity.initialize(model=model(), config=config_)
+    try:
+        train(engine, range(1))
+        shapes = [tuple(p.shape) for p in engine.module.parameters()]
+        engine.offload_states(device="nvme", nvme_path=tmp_path)
+        if stage < 3:
+            assert all(p.numel() == 0 for p in engine.module.parameters())
+            assert all(v.numel() == 0 for k, v in engine.module.state_dict().items())
+        with pytest.raises(StatesOffloadedError, match="save_16bit_model while offload_states"):
+            engine.save_16bit_model(tmp_path / "weights")
+        with pytest.raises(StatesOffloadedError, match="partitioned-state helper"):
+            infinity.utils.safe_get_full_fp32_param(next(engine.module.parameters()))
+        with pytest.raises(StatesOffloadedError, match="load_checkpoint while"):
+            engine.load_checkpoint(tmp_path / "none")
+        if stage == 3:
+            gathering = infinity.zero.GatheredParameters(list(engine.module.parameters()))
+            with pytest.raises(StatesOffloadedError, match="pieces are away"), gathering:
+                pass
+        engine.reload_states()
+        assert [tuple(p.shape) for p in engine.module.parameters()] == shapes or stage == 3
+        train(engine, range(1, 2))
+    finally:
+        engine.destroy()
+
+
+def test_states_go_away_kind_by_kind(tmp_path):
+    moved, *_ = infinity.initialize(model=model(), config=config(3))
+    kept, *_ = infinity.initialize(model=model(), config=config(3))
+    try:
+        train(moved, range(2))
+        train(kept, range(2))
+        moved.offload_states(include=["optim_states"], device="nvme", nvme_path=tmp_path)
+        moved.offload_states(include=["optim_states", "lp_params"], device="nvme", nvme_path=tmp_path)
+        assert sorted(moved._parked) == ["lp_params", "optim_states"]
+        moved.reload_states()
+        assert train(moved, range(2, 4)) == train(kept, range(2, 4))
+    finally:
+        moved.destroy()
+        kept.destroy()
+
+
+def test_a_failed_park_brings_back_what_it_moved_and_a_failed_reload_can_be_retried(tmp_path, monkeypatch):
+    moved, *_ = infinity.initialize(model=model(), config=config(2))
+    kept, *_ = infinity.initialize(model=model(), config=config(2))
+    try:
+        train(moved, range(2))
+        train(kept, range(2))
+        writes = []
+        original_write, original_read = AioHandle.sync_pwrite, AioHandle.sync_pread
+
+        def failing_write(self, tensor, path, offset=0):
+            writes.append(path)
+            if len(writes) == 2:
+                raise OSError(28, "No space left on device (injected)")
+            return original_write(self, tensor, path, offset)
+
+        monkeypatch.setattr(AioHandle, "sync_pwrite", failing_write)
+        with pytest.raises(OSError, match="injected"):
+            moved.offload_states(include=["optim_states"], device="nvme", nvme_path=tmp_path)
+        assert not moved._parked and list(tmp_path.iterdir()) == []
+        monkeypatch.setattr(AioHandle, "sync_pwrite", original_write)
+        moved.offload_states(include=["optim_states"], device="nvme", nvme_path=tmp_path)
+        reads = []
+
+        def failing_read(self, tensor, path, offset=0):
+            reads.append(path)
+            if len(reads) == 1:
+                raise OSError(5, "Input/output error (injected)")
+            return original_read(self, tensor, path, offset)
+
+        monkeypatch.setattr(AioHandle, "sync_pread", failing_read)
+        with pytest.raises(OSError, match="injected"):
+            moved.reload_states()
+        assert sorted(moved._parked) == ["optim_states"] and list(tmp_path.iterdir())  # still away, file kept
+        moved.reload_states()  # the retry
+        assert not moved._parked and list(tmp_path.iterdir()) == []
+        assert train(moved, range(2, 4)) == train(kept, range(2, 4))
+    finally:
+        moved.destroy()
+        kept.destroy()
+
+
+def test_parking_in_host_memory_keeps_every_view(tmp_path):
+    """The host path (an accelerator's states to pinned host memory), run here on host tensors."""
+    flat = torch.arange(1000, dtype=torch.float32)
+    views = [flat[:10], flat[500:]]
+    other = torch.ones(64)
+    parking = Parking([flat, views[1], other], path=None, aio=None, pin_memory=True)
+    assert len(parking.parked) == 2  # one per storage
+    parking.park()
+    assert flat.untyped_storage().nbytes() == 0 and other.untyped_storage().nbytes() == 0
+    parking.reload()
+    assert torch.equal(views[0], torch.arange(10, dtype=torch.float32)) and views[1][0].item() == 500
+    assert torch.equal(other, torch.ones(64))
