@@ -637,6 +637,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale
         )
         self._backward_pending = True
+        self._last_backward_at_boundary = self.is_gradient_accumulation_boundary()
         scaled.backward()
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released

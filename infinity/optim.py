@@ -78,7 +78,7 @@ def config_optimizer_class(name: str) -> type[torch.optim.Optimizer] | None:
         return Lion
     for attribute in dir(torch.optim):
         candidate = getattr(torch.optim, attribute)
-        if (attribute.lower() == key and isinstance(candidate, type)
+        if (attribute.lower() == key and isinstance(candidate, type) and candidate is not torch.optim.Optimizer
                 and issubclass(candidate, torch.optim.Optimizer)):  # fmt: skip
             return candidate
     return None

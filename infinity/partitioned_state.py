@@ -216,6 +216,9 @@ class PartitionedState:
         if not engine._backward_pending:
             raise StateAccessError("the gradient exists between engine.backward() and engine.step(): call the "
                                    "gradient helpers there")  # fmt: skip
+        if engine.zero_optimizer.stage < 2 and not getattr(engine, "_last_backward_at_boundary", False):
+            raise StateAccessError("at ZeRO stages 0-1 the gradient is reduced at the accumulation boundary: call "
+                                   "the gradient helpers after the backward that ends the window")  # fmt: skip
         shards = engine.zero_optimizer.gradients_in_memory
         if shards is None:
             raise StateAccessError("the gradient is on NVMe with the optimizer (stage 3, a gradient larger than a "

@@ -72,7 +72,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     """DeepSpeed's: the checkpoint's fp32 state dict as files in ``output_dir``: ``model.safetensors`` (sharded
     past ``max_shard_size``, with ``model.safetensors.index.json``) with ``safe_serialization``, streamed; else
     ``pytorch_model.bin`` (or ``pytorch_model-0000k-of-0000n.bin`` + ``pytorch_model.bin.index.json``), built
-    one shard at a time in memory, as DeepSpeed does."""
+    one shard at a time in memory, as DeepSpeed does, a tied weight under each of its names (safetensors keeps
+    one: transformers ties it again)."""
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     if safe_serialization:
         to_fp32(checkpoint_dir, output_dir, tag=tag, max_shard_size=limit if limit is not None else 1 << 62,
@@ -97,9 +98,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
         names = [f"pytorch_model-{k + 1:05d}-of-{len(shards):05d}.bin" for k in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
-        torch.save({entry: read_whole(folder, key, meta) for key, entry, meta in shard},
-                   os.path.join(output_dir, name))  # fmt: skip
-        weight_map.update({entry: name for _, entry, _ in shard})
+        state = {entry: read_whole(folder, key, meta) for key, entry, meta in shard}
+        for owner, others in manifest.aliases.items():  # a tied weight under each of its names, one tensor
+            if owner in state:
+                state.update(dict.fromkeys(others, state[owner]))
+        torch.save(state, os.path.join(output_dir, name))
+        weight_map.update({entry: name for entry in state})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(_fp32_bytes(meta) for *_, meta in arrays)}, "weight_map": weight_map}
         with open(os.path.join(output_dir, "pytorch_model.bin.index.json"), "w") as f:

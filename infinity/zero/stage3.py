@@ -31,6 +31,7 @@ from infinity.distributed import Distributed
 from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
 from infinity.zero import collectives
 from infinity.zero.coordinator import Coordinator
+from infinity.zero.external import declared_external
 from infinity.zero.reducer import GradientReducer
 from infinity.zero.schedule import BACKWARD, FORWARD, Knobs
 from infinity.zero.units import Unit, UnitState, UnitTable, build_units, register_runtime, unregister_runtime
@@ -258,6 +259,8 @@ def setup_stage3(
             zero.stage3_param_persistence_threshold,
         )
     register_runtime(table.parameters(), stage3)  # how GatheredParameters finds it
+    for module, param in declared_external(model):  # register_external_parameter before initialize()
+        stage3.external_use(module, param, used=True)
     return stage3
 
 

@@ -91,7 +91,9 @@ def test_fp32_state_dict_helpers_give_the_masters(stage, tmp_path):
 
     helpers.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "bin")
     saved = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
-    assert set(saved) == {"0.weight", "1.weight", "1.bias"} and torch.equal(saved["1.weight"], masters["1.weight"])
+    assert set(saved) == {"0.weight", "1.weight", "1.bias", "2.weight"} and saved["2.weight"] is saved["0.weight"]
+    assert torch.equal(saved["1.weight"], masters["1.weight"])
+    tied_model().load_state_dict(saved)  # strict
     helpers.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt", tmp_path / "shards", max_shard_size=700)
     index = json.loads((tmp_path / "shards" / "pytorch_model.bin.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -222,3 +222,21 @@ def test_helpers_refuse_what_does_not_exist(tmp_path):
     with pytest.raises(StateAccessError, match="no live infinity training engine"):
         ds_utils.safe_get_full_fp32_param(head)
     assert ds_utils.safe_get_full_fp32_param is infinity.utils.safe_get_full_fp32_param
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_gradient_mid_window(stage, tmp_path):
+    """Stages 0-1 reduce at the window's end: a read before it is refused (it would be zeros); stages 2-3
+    reduce each micro-step: the window's sum so far."""
+    config = make_config("stage1" if stage == 1 else "stage2-cpu", 1, str(tmp_path))
+    engine, *_ = infinity.initialize(model=build(MODEL), config=config)
+    head = dict(engine.module.named_parameters())["head.weight"]
+    micro = engine.train_micro_batch_size_per_gpu()
+    inputs, target = global_batch(MODEL, 0, micro * ACCUMULATION)
+    engine.backward(loss_fn(MODEL, engine(inputs[:micro]), target[:micro]))
+    if stage == 1:
+        with pytest.raises(StateAccessError, match="reduced at the accumulation boundary"):
+            ds_utils.safe_get_full_grad(head)
+    else:
+        assert ds_utils.safe_get_full_grad(head).abs().sum() > 0
+    engine.destroy()

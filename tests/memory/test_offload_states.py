@@ -155,7 +155,9 @@ def test_states_go_away_kind_by_kind(tmp_path):
         train(moved, range(2))
         train(kept, range(2))
         moved.offload_states(include=["optim_states"], device="nvme", nvme_path=tmp_path)
-        moved.offload_states(include=["optim_states", "lp_params"], device="nvme", nvme_path=tmp_path)
+        kinds = infinity.runtime.zero.offload_config.OffloadStateTypeEnum  # DeepSpeed's enum, or its strings
+        moved.offload_states(include=[kinds.optim_states, kinds.lp_params], nvme_path=tmp_path,
+                             device=infinity.runtime.zero.offload_config.OffloadDeviceEnum.nvme)  # fmt: skip
         assert sorted(moved._parked) == ["lp_params", "optim_states"]
         moved.reload_states()
         assert train(moved, range(2, 4)) == train(kept, range(2, 4))

@@ -172,9 +172,13 @@ class TiedModel(nn.Module):
         return self.head(torch.tanh(self.body(self.embed(tokens))))
 
 
-@pytest.mark.parametrize("register", [True, False])
+@pytest.mark.parametrize("register", ["before initialize", "after initialize", False])
 def test_register_external_parameter_fetches_the_unit_with_the_module(register, monkeypatch):
+    """Declared in the model's construction (DeepSpeed's documented place) or on the engine's model: fetched
+    with the module from the first pass; undeclared: found on the fly."""
     model = TiedModel()
+    if register == "before initialize":
+        infinity.zero.register_external_parameter(model.head, model.embed.weight)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW default
     engine, *_ = infinity.initialize(model=model, config=_config(3))
@@ -183,7 +187,7 @@ def test_register_external_parameter_fetches_the_unit_with_the_module(register, 
     original = coordinator.on_external_use
     monkeypatch.setattr(coordinator, "on_external_use", lambda unit: (found_on_the_fly.append(unit), original(unit)))
     try:
-        if register:
+        if register == "after initialize":
             infinity.zero.register_external_parameter(engine.module.head, engine.module.embed.weight)
         for step in range(3):
             tokens = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(step))
@@ -193,7 +197,7 @@ def test_register_external_parameter_fetches_the_unit_with_the_module(register, 
             F.cross_entropy(reference(tokens).reshape(-1, 20), tokens.reshape(-1)).backward()
             optimizer.step()
             optimizer.zero_grad()
-        assert (found_on_the_fly == []) == register  # declared: fetched with the head from the first pass
+        assert (found_on_the_fly == []) == bool(register)  # declared: fetched with the head from the first pass
         for mine, want in zip(_params(engine), reference.parameters(), strict=True):
             torch.testing.assert_close(mine, want.detach(), rtol=1e-5, atol=1e-6)
         infinity.zero.unregister_external_parameter(engine.module.head, engine.module.embed.weight)
