@@ -100,6 +100,20 @@ def main() -> None:
         assert math.isclose(engine.get_global_grad_norm(), math.sqrt(squares), rel_tol=1e-4)
         assert len(engine.get_lr()) == len(optimizer.param_groups)
 
+    assert engine.global_samples == args.steps * engine.train_batch_size()
+    assert tuple(engine.get_mom()[0]) == (0.9, 0.999)  # AdamW's betas (DeepSpeed's defaults)
+
+    # Twice the batch from now on, as two micro-batches whose boundary the loop sets itself, one step() for both.
+    engine.set_train_batch_size(2 * engine.train_batch_size())
+    for boundary in (False, True):
+        engine.set_gradient_accumulation_boundary(boundary)
+        gen = torch.Generator().manual_seed(77 + rank + 10 * boundary)
+        tokens = torch.randint(0, VOCAB // 4, (engine.train_micro_batch_size_per_gpu(), 8), generator=gen)
+        engine.backward(F.cross_entropy(engine(tokens).reshape(-1, VOCAB), tokens.reshape(-1)))
+    engine.step()
+    engine.zero_grad()
+    assert engine.was_step_applied() and engine.global_steps == args.steps + 1
+
     # The fp32 masters and Adam states, whole (collective), and this rank's fragment of them.
     for name, param in named.items():
         master = deepspeed.utils.safe_get_full_fp32_param(param)
@@ -114,6 +128,10 @@ def main() -> None:
         assert count.item() == param.ds_numel, name
     deepspeed.utils.safe_set_full_optimizer_state(named["body.weight"], torch.zeros(WIDTH, WIDTH), "exp_avg")
     assert deepspeed.utils.safe_get_full_optimizer_state(named["body.weight"], "exp_avg").abs().sum() == 0
+    halved = deepspeed.utils.safe_get_full_fp32_param(named["body.weight"]) * 0.5
+    deepspeed.utils.safe_set_full_fp32_param(named["body.weight"], halved)
+    with deepspeed.zero.GatheredParameters(named["body.weight"]):
+        assert torch.equal(named["body.weight"].detach().float(), halved)  # the next forward sees it
 
     # Rank 0 edits a weight; every rank and the fp32 master see it.
     with deepspeed.zero.GatheredParameters(model.body.bias, modifier_rank=0), torch.no_grad():
@@ -122,6 +140,8 @@ def main() -> None:
     assert deepspeed.utils.safe_get_full_fp32_param(model.body.bias).abs().sum() == 0
 
     # Between phases: the states leave the device and come back; the gathered-parameter cache is emptied.
+    # (DeepSpeed offloads states only without offload_param / offload_optimizer and with its FusedAdam on an
+    # accelerator; infinity in every mode.)
     engine.offload_states()
     engine.reload_states()
     engine.empty_partition_cache()
@@ -132,6 +152,11 @@ def main() -> None:
     masters = {name: deepspeed.utils.safe_get_full_fp32_param(p) for name, p in named.items()}
     state = deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt)
     assert all(torch.equal(state[name], masters[name]) for name in masters)
+    if rank == 0:
+        out = os.path.join(workdir, "fp32")
+        deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+        saved = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
+        assert torch.equal(saved["body.weight"], masters["body.weight"])
     path, _ = engine.load_checkpoint(ckpt)
     assert path is not None
 
