@@ -108,6 +108,22 @@ def gathered_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tens
             for key, value in model.state_dict(keep_vars=True).items()}  # fmt: skip
 
 
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT model (LoRA and the like): it saves its adapters with save_pretrained(state_dict=...)."""
+    return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
+
+
+def trained_state_dict(engine, *, keep: bool) -> dict[str, torch.Tensor]:
+    """Collective: the parameters the optimizer updates (a PEFT model's adapters), whole, as CPU copies where
+    ``keep`` (the rank that writes), else {}; at stage 3 only their units are gathered (the frozen base never)."""
+    from infinity.zero import GatheredParameters
+
+    optimized = [p for group in engine.zero_optimizer.groups for p in group]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    with GatheredParameters(optimized):
+        return {names[id(p)]: p.detach().to("cpu", copy=True) for p in optimized} if keep else {}
+
+
 class InfinityTrainer(Trainer):
     """A Trainer whose model trains on the infinity engine (``args`` must be InfinityTrainingArguments).
 
@@ -220,7 +236,15 @@ class InfinityTrainer(Trainer):
             else:
                 super().save_model(output_dir, _internal_call)
             return
-        if engine.save_16bit_model(output_dir, SAFE_WEIGHTS_NAME):
+        model = self.accelerator.unwrap_model(self.model)
+        if is_peft_model(model):  # the adapters only, in PEFT's format (as the Trainer saves a PEFT model)
+            state = trained_state_dict(engine, keep=self.args.should_save)
+            if self.args.should_save:
+                model.save_pretrained(output_dir, state_dict=state)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        elif engine.save_16bit_model(output_dir, SAFE_WEIGHTS_NAME):
             if self.args.should_save:
                 if self.processing_class is not None:
                     self.processing_class.save_pretrained(output_dir)
