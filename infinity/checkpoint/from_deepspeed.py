@@ -51,7 +51,6 @@ DEEPSPEED_KEYS = {
     "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "ds_zero_partition_groups",
 }  # fmt: skip
-STATES = ("exp_avg", "exp_avg_sq")
 
 
 class _ZeroStage(enum.IntEnum):
@@ -105,6 +104,17 @@ class _Parameter:
     offset: int  # first element in the buffer (stages 1-2) or in each rank's piece of it (3)
 
 
+@dataclass(slots=True)
+class _Frozen:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    source: DeepSpeedTag
+
+    def value(self) -> torch.Tensor:
+        return self.source.frozen_value(self.name, self.shape)
+
+
 class DeepSpeedTag:
     """One tag of a DeepSpeed checkpoint, read lazily ([Note: DeepSpeed's checkpoint layout])."""
 
@@ -135,7 +145,16 @@ class DeepSpeedTag:
             raise CheckpointError(f"{folder}: ZeRO stage {self.stage} is not 1, 2 or 3")
         self.config: dict = dict(self.model.get("ds_config") or {})
         self.torch_state = self.optim[0]["optimizer_state_dict" if self.stage == 3 else "base_optimizer_state"]
+        if not isinstance(self.torch_state, dict):
+            raise CheckpointError(f"{folder}: the optimizer states are saved elastically (zero_optimization."
+                                  "elastic_checkpoint), which this conversion does not read")  # fmt: skip
+        counts = self.optim[0].get("partition_count", self.world_size)
+        count = max(counts) if isinstance(counts, list | tuple) else int(counts)
+        if count != self.world_size:
+            raise CheckpointError(f"{folder}: the checkpoint was saved by {count} ranks but holds "
+                                  f"{self.world_size} ranks' optimizer files: remove files of another run")  # fmt: skip
         self.parameters = self._layout()
+        self.states = self._state_names()
 
     # ---- the layout ----
     def _layout(self) -> list[_Parameter]:
@@ -157,6 +176,24 @@ class DeepSpeedTag:
                     offset += numel + (paddings[buffer][i] if paddings else 0)
         return found
 
+    def _state_names(self) -> tuple[str, ...]:
+        """The torch optimizer's per-element states (exp_avg, exp_avg_sq for Adam; momentum_buffer; ...)."""
+        names: dict[str, None] = {}
+        for state in self.torch_state["state"].values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.numel() > 1 and key != "step":
+                    names.setdefault(key)
+        return tuple(names)
+
+    def _partition(self, buffer: int) -> int:
+        """Stages 1-2: each rank's share of the group's flat buffer, padding included: the parameters (and their
+        alignment gaps) padded to a multiple of 2 x world size, split evenly."""
+        paddings = self.optim[0].get("param_alignment_paddings")
+        total = sum(math.prod(shape) for shape in self.model["param_shapes"][buffer].values())
+        total += sum(paddings[buffer]) if paddings else 0
+        step = 2 * self.world_size
+        return -(-total // step) * step // self.world_size
+
     def step_of(self, group: int) -> int:
         buffers = self.torch_state["param_groups"][group]["params"] if self.stage == 3 else [group]
         state = self.torch_state["state"].get(buffers[0], {}) if buffers else {}
@@ -168,7 +205,7 @@ class DeepSpeedTag:
         """The parameter's fp32 master and Adam states, whole."""
         numel = math.prod(parameter.shape)
         found = {}
-        for what in ("master", *STATES):
+        for what in ("master", *self.states):
             pieces = [self._piece(rank, parameter, what) for rank in range(self.world_size)]
             # stage 3: every rank's piece, the last padded; 1-2: the ranks' ranges, empty where a rank holds none
             flat = torch.cat(pieces)[:numel] if self.stage == 3 else torch.cat(pieces)
@@ -192,30 +229,36 @@ class DeepSpeedTag:
         if self.stage == 3:
             each = math.ceil(numel / self.world_size)
             return flat[parameter.offset : parameter.offset + each]
-        partition = self._flat(rank, parameter.buffer, STATES[0]).numel()  # the states keep the end padding
+        partition = self._partition(parameter.buffer)
         first = rank * partition
         lo, hi = max(parameter.offset, first), min(parameter.offset + numel, first + partition)
         return flat[lo - first : hi - first] if lo < hi else flat[:0]
 
-    def frozen(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters without gradients, in the model's dtype."""
+    def frozen(self) -> list[_Frozen]:
+        """Parameters without gradients (zero-element ones too), in the model's dtype; each assembled only when
+        written."""
         shapes = self.model.get("frozen_param_shapes") or {}
-        module = self.model.get("module") or {}
+        found = []
         for name, shape in shapes.items():
-            numel = math.prod(shape)
-            if numel == 0:
-                continue
-            if self.stage == 3:
-                value = torch.cat([m["frozen_param_fragments"][name].reshape(-1) for m in self.models])[:numel]
-            else:
-                value = self.model["frozen_param_fragments"][name].reshape(-1)
-            yield name, value.view(shape)
+            fragment = self.model["frozen_param_fragments"].get(name)
+            dtype = fragment.dtype if fragment is not None else torch.float32
+            found.append(_Frozen(name, torch.Size(shape), dtype, self))
         if self.stage == 1:  # frozen parameters are only in the module's state dict
+            module = self.model.get("module") or {}
             optimized = {p.name for p in self.parameters} | set(self.aliases_of())
             buffers = set(self.model.get("buffer_names") or ())
             for name, value in module.items():
-                if name not in optimized and name not in buffers and value.numel() > 0:
-                    yield name, value
+                if name not in optimized and name not in buffers:
+                    found.append(_Frozen(name, value.shape, value.dtype, self))
+        return found
+
+    def frozen_value(self, name: str, shape: torch.Size) -> torch.Tensor:
+        numel = math.prod(shape)
+        if self.stage == 1:
+            return self.model["module"][name].reshape(shape)
+        if self.stage == 3:
+            return torch.cat([m["frozen_param_fragments"][name].reshape(-1) for m in self.models])[:numel].view(shape)
+        return self.model["frozen_param_fragments"][name].reshape(shape)
 
     def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         module = self.model.get("module") or {}
@@ -244,7 +287,7 @@ def _optimizer_class(config: dict) -> str | None:
     if kind in ("adam", "adamw"):
         adam_w = kind == "adamw" or (spec.get("params") or {}).get("adam_w_mode", True)
         return "AdamW" if adam_w else "Adam"
-    return {"sgd": "SGD", "adagrad": "Adagrad"}.get(kind)
+    return {"sgd": "SGD", "adagrad": "Adagrad", "lion": "Lion"}.get(kind)
 
 
 def _loss_scaler(optim: dict) -> dict:
@@ -297,6 +340,12 @@ def from_deepspeed(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     tag_name = os.path.basename(source.folder.rstrip("/"))
     out_dir = os.fspath(out_dir)
     final = os.path.join(out_dir, tag_name)
+    if os.path.exists(final) and not os.path.exists(os.path.join(final, "manifest.json")):
+        raise CheckpointError(f"{final} exists and is not an infinity checkpoint (is it the DeepSpeed checkpoint "
+                              "itself?): convert into another folder")  # fmt: skip
+    if refusal(source.model.get("lr_scheduler")) is not None:
+        raise CheckpointError(f"{source.folder}: the LR scheduler's state holds objects a weights-only load could "
+                              "not read back; this checkpoint cannot be converted")  # fmt: skip
     tmp = final + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -306,10 +355,13 @@ def from_deepspeed(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     buffers = list(source.buffers())
     metas: dict[str, ArrayMeta] = {}
     for parameter in source.parameters:
-        for key in (PARAMS + parameter.name, *(state_key(s, parameter.name) for s in STATES)):
+        for key in (PARAMS + parameter.name, *(state_key(s, parameter.name) for s in source.states)):
             metas[key] = ArrayMeta.plan(tuple(parameter.shape), torch.float32)
-    for name, value in frozen:
-        metas[PARAMS + name] = ArrayMeta.plan(tuple(value.shape), value.dtype)
+    for entry in frozen:
+        metas[PARAMS + entry.name] = ArrayMeta.plan(tuple(entry.shape), entry.dtype)
+        if math.prod(entry.shape) == 0:  # DeepSpeed lists a zero-element parameter as frozen; it may be trained
+            for state in source.states:
+                metas[state_key(state, entry.name)] = ArrayMeta.plan(tuple(entry.shape), torch.float32)
     for name, value in buffers:
         metas[BUFFERS + name] = ArrayMeta.plan(tuple(value.shape), value.dtype)
     write_group(tmp)
@@ -323,10 +375,11 @@ def from_deepspeed(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
     for parameter in source.parameters:  # one parameter in memory at a time
         values = source.values(parameter)
         written += _write_array(tmp, PARAMS + parameter.name, metas, values["master"])
-        for state in STATES:
+        for state in source.states:
             written += _write_array(tmp, state_key(state, parameter.name), metas, values[state])
-    for name, value in frozen:
-        written += _write_array(tmp, PARAMS + name, metas, value)
+    for entry in frozen:  # assembled one at a time
+        if math.prod(entry.shape):
+            written += _write_array(tmp, PARAMS + entry.name, metas, entry.value())
     for name, value in buffers:
         written += _write_array(tmp, BUFFERS + name, metas, value)
 
@@ -351,9 +404,6 @@ def from_deepspeed(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         "data_loader": None,
         "client_state": client_state,
     }
-    if refusal(engine_state["lr_scheduler"]) is not None:
-        raise CheckpointError(f"{source.folder}: the LR scheduler's state holds objects a weights-only load could not "
-                              "read back; convert without it is not possible here")  # fmt: skip
     torch.save(engine_state, os.path.join(tmp, ENGINE_STATE))
     sync_files(tmp, [*written, os.path.join(tmp, ENGINE_STATE)])
     zero = config.get("zero_optimization") or {}
@@ -366,13 +416,14 @@ def from_deepspeed(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, t
         offload_param=str((zero.get("offload_param") or {}).get("device", "none")),
         global_steps=global_steps, micro_steps=engine_state["micro_steps"], skipped_steps=engine_state["skipped_steps"],
         arrays={key: {"shape": list(meta.shape), "dtype": dtype_name(meta.dtype)} for key, meta in metas.items()},
-        aliases=owners, groups=groups, state_names=list(STATES), scalar_keys=["step"], config=json_safe_config(config),
+        aliases=owners, groups=groups, state_names=list(source.states), scalar_keys=["step"],
+        config=json_safe_config(config),
         library_version=__version__,
         extra={"converted_from": f"DeepSpeed {source.model.get('ds_version', '?')}", "client_state_dropped": dropped,
                **({"optimizer": cls} if (cls := _optimizer_class(config)) else {})},
     )  # fmt: skip
-    for name, value in frozen:
-        manifest.arrays[PARAMS + name]["torch_dtype"] = dtype_name(value.dtype)
+    for entry in frozen:
+        manifest.arrays[PARAMS + entry.name]["torch_dtype"] = dtype_name(entry.dtype)
     for name, value in buffers:
         manifest.arrays[BUFFERS + name]["torch_dtype"] = dtype_name(value.dtype)
     manifest.write(tmp)

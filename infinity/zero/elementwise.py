@@ -25,6 +25,7 @@ tile: every tile steps from the group as the step began, and the probe checks th
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.errors import CheckpointError, ConfigError
+
+logger = logging.getLogger("infinity")
 
 PROBE_TILES = 4
 PROBE_STEPS = 3
@@ -85,10 +88,12 @@ def _clone(value):
 
 
 def group_starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
-    """Each group's starting state, read from the optimizer as its __init__ left it (empty: lazy)."""
+    """Each group's starting state, read from the optimizer as its __init__ left it (empty: lazy). A state that
+    varies by element (the optimizer has stepped, or loaded a state dict) is not a start: ZeRO begins that group's
+    state afresh, as DeepSpeed does (say so once; a checkpoint carries states over)."""
     starts = []
     for g, group in enumerate(optimizer.param_groups):
-        start = GroupStart()
+        start, stepped = GroupStart(), False
         for param in group["params"]:
             state = optimizer.state.get(param)
             if not state:
@@ -98,13 +103,15 @@ def group_starts(optimizer: torch.optim.Optimizer) -> list[GroupStart]:
                 if torch.is_tensor(value) and value.shape == param.shape and value.dim() > 0:
                     first = value.reshape(-1)[0].item()
                     if not bool((value == first).all()) or start.fills.setdefault(key, first) != first:
-                        raise ConfigError(
-                            f"{type(optimizer).__name__} starts its state {key!r} in param group {g} from values "
-                            "that vary by element; ZeRO steps flat pieces of parameters and can only start such a "
-                            "state from one constant per group"
-                        )
+                        stepped = True
                 else:
                     start.scalars.setdefault(key, _clone(value))
+                    stepped = stepped or (key == "step" and float(value) > 0)
+        if stepped:
+            logger.warning("%s already holds state for param group %d (has it stepped, or loaded a state dict?): "
+                           "ZeRO starts its state afresh, as DeepSpeed does; load_checkpoint carries states over",
+                           type(optimizer).__name__, g)  # fmt: skip
+            start = GroupStart()
         starts.append(start)
     return starts
 
@@ -200,6 +207,12 @@ class ElementwiseStep:
             optimizer.param_groups, optimizer.state = saved
         return alone
 
+    def begin(self) -> None:
+        """Before a step's first tile."""
+        self._next = [None] * len(self._next)
+        self._before.clear()
+        self._group_changes.clear()
+
     def finish(self) -> None:
         """After every tile of a step: each group takes its new scalar entries, and the step's changes to the
         param group's own entries (once, as one step on the whole would make them)."""
@@ -208,9 +221,7 @@ class ElementwiseStep:
                 self.scalars[index] = values
         for index, changes in self._group_changes.items():
             self.optimizer.param_groups[index].update(changes)
-        self._next = [None] * len(self._next)
-        self._before.clear()
-        self._group_changes.clear()
+        self.begin()
 
     # ---- checkpoints ----
     def saved_scalars(self, group: int) -> dict:

@@ -217,6 +217,8 @@ class TiledStep:
         if self.rule.update is None:
             self._step_with(optimizer, on_tile)
             return
+        if self.rule.stepper is not None:
+            self.rule.stepper.begin()  # nothing left over from a step that failed part way
         depth = max(self.manager.buffer_count - 2, 1) if self.pipeline_read else 1
         for tile in self.tiles:
             self._read_ahead(tile.index, 1, block=True)

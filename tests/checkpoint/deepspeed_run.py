@@ -19,7 +19,7 @@ def main() -> None:
     config, folder = json.loads(sys.argv[1]), sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build()
+    model = build(config["zero_optimization"]["stage"])
     engine, *_ = deepspeed.initialize(model=model, config=config,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     dtype = torch.bfloat16 if config.get("bf16", {}).get("enabled") else torch.float32

@@ -3,13 +3,15 @@ it runs with DS_ACCELERATOR=cpu over gloo): DeepSpeed trains two steps at ZeRO s
 or two processes) and saves; DeepSpeed's own resume from that checkpoint takes two more steps. The checkpoint,
 converted, resumes in infinity at world size 1 and 2: its two steps give DeepSpeed's losses and fp32 masters,
 with the optimizer states, step counts, LR scheduler and client state carried over. The model has a frozen
-layer and a buffer. The converter reads without running code, and DeepSpeed need not be importable for it."""
+layer, a zero-element parameter and a buffer. The converter reads without running code, and DeepSpeed need not be
+importable for it; it refuses to write over the DeepSpeed checkpoint, and rank files of another run."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,21 +33,23 @@ CASES = [(1, "fp32", 2), (2, "fp32", 1), (3, "fp32", 2), (2, "bf16", 2), (3, "bf
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, stage: int) -> None:
         super().__init__()
         self.first = nn.Linear(8, 16)
         self.frozen = nn.Linear(16, 16)
         self.frozen.requires_grad_(False)
         self.last = nn.Linear(16, 4)
         self.register_buffer("offset", torch.linspace(-1, 1, 4))
+        if stage < 3:  # DeepSpeed files a zero-element parameter as frozen (its stage 3 fails on one)
+            self.unused = nn.Parameter(torch.zeros(0, 4))
 
     def forward(self, x):
         return self.last(torch.tanh(self.frozen(torch.tanh(self.first(x))))) + self.offset
 
 
-def build() -> nn.Module:
+def build(stage: int) -> nn.Module:
     torch.manual_seed(0)
-    return Net()
+    return Net(stage)
 
 
 def batch(number: int, rank: int, world: int, micro: int):
@@ -96,7 +100,7 @@ def deepspeed_run(request, tmp_path_factory):
 def _resume(*, rank: int, world_size: int, case, converted: str) -> dict:
     stage, dtype, _ = case
     cfg = config(stage, dtype, world_size)
-    engine, *_ = infinity.initialize(model=build(), config=cfg)
+    engine, *_ = infinity.initialize(model=build(stage), config=cfg)
     _, client_state = engine.load_checkpoint(converted)
     compute = torch.bfloat16 if dtype == "bf16" else torch.float32
     losses = []
@@ -127,11 +131,14 @@ def test_a_converted_checkpoint_resumes_as_deepspeeds_own_resume(deepspeed_run, 
     tolerance = {"rel": 1e-5} if case[1] == "fp32" else {"rel": 2e-2}
     assert got["losses"] == pytest.approx(want["losses"], **tolerance)
     for name, value in want["masters"].items():
+        if value is None:  # DeepSpeed keeps no master of a zero-element parameter
+            assert got["masters"][name].numel() == 0
+            continue
         atol = 1e-6 if case[1] == "fp32" else 1e-2
         torch.testing.assert_close(got["masters"][name], value.float(), rtol=tolerance["rel"], atol=atol, msg=name)
     assert got["client_state"] == {"epoch": 3}
     assert got["steps"] == 4
-    torch.testing.assert_close(got["frozen"], build().frozen.weight.detach().to(got["frozen"].dtype).float(),
+    torch.testing.assert_close(got["frozen"], build(case[0]).frozen.weight.detach().to(got["frozen"].dtype).float(),
                                rtol=0, atol=1e-2 if case[1] == "bf16" else 0)  # fmt: skip
 
 
@@ -152,6 +159,19 @@ class Payload:
 
     def __reduce__(self):
         return (os.system, ("touch ran-code",))
+
+
+def test_the_source_is_never_overwritten_and_stray_rank_files_are_refused(deepspeed_run, tmp_path):
+    case, folder, _ = deepspeed_run
+    copy = tmp_path / "copy"
+    shutil.copytree(folder / "deepspeed", copy)
+    with pytest.raises(CheckpointError, match="is not an infinity checkpoint .*convert into another folder"):
+        from_deepspeed(copy, copy)
+    tag = copy / (copy / "latest").read_text().strip()
+    stray = sorted(tag.glob("*optim_states.pt"))[-1]
+    shutil.copy(stray, str(stray).replace(f"zero_pp_rank_{case[2] - 1}_", f"zero_pp_rank_{case[2]}_"))
+    with pytest.raises(CheckpointError, match=f"saved by {case[2]} ranks but holds {case[2] + 1}"):
+        from_deepspeed(copy, tmp_path / "out")
 
 
 def test_what_is_not_a_deepspeed_checkpoint_is_a_clear_error_and_nothing_runs(tmp_path, monkeypatch):
