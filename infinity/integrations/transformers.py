@@ -276,7 +276,10 @@ class InfinityTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.engine.save_checkpoint(output_dir)
+        # A PEFT model's frozen base is not training state: its checkpoints hold the adapters (the resumed run
+        # builds the base from where it came from, as this one did)
+        peft = is_peft_model(self.accelerator.unwrap_model(self.model))
+        self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=peft)
         if self.args.should_save and not isinstance(self.lr_scheduler, InfinityScheduler):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -32,15 +32,15 @@ def adapters(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def run(config, output_dir):
-    kwargs = training_arguments(output_dir, max_steps=4)
-    data = {"train_dataset": CountingData(16)}
+def run(config, output_dir, resume=None, **overrides):
+    kwargs = training_arguments(output_dir, **{"max_steps": 4, **overrides})
+    data = {"train_dataset": CountingData(32)}
     model = lora_gpt2()
     if config is None:
         trainer = Trainer(model=model, args=TrainingArguments(**kwargs), **data)
     else:
         trainer = InfinityTrainer(model=model, args=InfinityTrainingArguments(infinity=config, **kwargs), **data)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -68,3 +68,23 @@ def test_lora_trains_as_the_plain_trainer_and_saves_the_adapter_only(stage, tmp_
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
     trainer.engine.destroy()
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_resumes(tmp_path):
+    """Stage 3, base on NVMe: the Trainer's checkpoint-4 holds no base weights; resumed from it, steps 5-8 log
+    the losses of the uninterrupted run."""
+    os.makedirs(tmp_path / "nvme")
+    config = stage_config(3)
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    whole = run(config, tmp_path / "run", max_steps=8, save_strategy="steps", save_steps=4)
+    want = logged_steps(whole)
+    whole.engine.destroy()
+    manifest = (tmp_path / "run" / "checkpoint-4" / "global_step4" / "manifest.json").read_text()
+    assert '"params/base_model.model.transformer.h.0.attn.c_attn.base_layer.weight"' not in manifest
+    assert '"frozen_excluded": [' in manifest and "lora_A" in manifest
+    resumed = run(config, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-4"), max_steps=8,
+                  save_strategy="no")  # fmt: skip
+    again = [s for s in logged_steps(resumed) if s["step"] > 4]
+    assert [s["step"] for s in again] == [5, 6, 7, 8]
+    assert [s["loss"] for s in again] == pytest.approx([s["loss"] for s in want[4:]], rel=1e-5)
+    resumed.engine.destroy()
