@@ -11,7 +11,7 @@ Transformers partitions at load time only for DeepSpeed: its ZeRO-3 branches are
 ``GatheredParameters``, ``deepspeed.comm``, DeepSpeed's tensor-constructor wrappers). Setting its flag
 (``set_hf_deepspeed_config``) would therefore need a module posing as DeepSpeed, which real code (Accelerate,
 Trainer, PEFT) would then mistake for it. So the flag stays off, and for as long as a stage-3 HfInfinityConfig
-lives, five methods of ``PreTrainedModel`` are wrapped; each wrapper does what the ZeRO-3 branch of the original
+lives, six methods of ``PreTrainedModel`` are wrapped; each wrapper does what the ZeRO-3 branch of the original
 does, with infinity's zero.Init, and otherwise calls the original:
 
     get_init_context                         the model is built under zero.Init (no meta device, no weight
@@ -21,11 +21,13 @@ does, with infinity's zero.Init, and otherwise calls the original:
     _load_pretrained_model                   the checkpoint goes into the partitions (below)
     _move_missing_keys_from_meta_to_device   nothing to move: nothing was on the meta device
     _initialize_missing_keys                 the weights the checkpoint lacks initialized on gathered parameters
+    resize_token_embeddings                  the old embeddings gathered while Transformers builds the new ones
+                                             (their new rows initialized as without ZeRO), then partitioned
 
-The last three act only on a model zero.Init partitioned. Transformers' own flag stays false, so nothing else
-of Transformers (its resize_token_embeddings' gathers, generate's synced_gpus, the Trainer's DeepSpeed code)
-changes. The wrappers go when the object does; with real DeepSpeed installed, nothing changes unless an
-HfInfinityConfig is alive, and an HfDeepSpeedConfig for ZeRO-3 alive at the same time is an error.
+The last four act only on a model zero.Init partitioned. Transformers' own flag stays false, so nothing else of
+Transformers (generate's synced_gpus, the Trainer's DeepSpeed code) changes. The wrappers go when the object does;
+with real DeepSpeed installed, nothing changes unless an HfInfinityConfig is alive, and an HfDeepSpeedConfig for
+ZeRO-3 alive at the same time is an error.
 
 Loading into the partitions walks the model module by module, as Transformers' ZeRO-3 loader does: the
 module's own parameters found in the checkpoint are gathered, rank 0 copies the checkpoint's values into them
@@ -55,6 +57,7 @@ from infinity.config import load_json, offload_sections
 from infinity.errors import ConfigError
 from infinity.zero import collectives
 from infinity.zero.init import GatheredParameters, Init, init_shard
+from infinity.zero.units import stage3_runtime
 
 # The transformers versions whose loading internals the wrappers follow (the hf extra in pyproject.toml pins them)
 SUPPORTED_TRANSFORMERS = ((5, 24), (6, 0))
@@ -133,6 +136,7 @@ class _Patches:
         "_load_pretrained_model",
         "_move_missing_keys_from_meta_to_device",
         "_initialize_missing_keys",
+        "resize_token_embeddings",
     )
     originals: dict[str, Any] = {}
     installed: dict[str, Any] = {}
@@ -179,6 +183,7 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
     load_pretrained = originals["_load_pretrained_model"].__func__
     move_missing = originals["_move_missing_keys_from_meta_to_device"]
     initialize_missing = originals["_initialize_missing_keys"]
+    resize = originals["resize_token_embeddings"]
 
     def init_context(cls, dtype, is_quantized, _is_ds_init_called, allow_all_kernels, *more, **named):
         # ``more``, ``named``: what later releases add, passed on as given (5.25 adds the model's config)
@@ -227,12 +232,30 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
             self.initialize_weights()
         return None
 
+    def resize_partitioned(self, *args, **kwargs):
+        live = live_config()
+        if any(stage3_runtime(p) is not None for p in self.parameters()):
+            raise ConfigError("resize_token_embeddings on a model an engine holds: the optimizer's state would "
+                              "not follow the new rows; resize before infinity.initialize(), as with DeepSpeed")
+        if live is None or not _partitioned(self):
+            return resize(self, *args, **kwargs)
+        # The old embeddings whole while Transformers resizes them exactly as it does without ZeRO (its new rows
+        # initialized as there: it sets each weight's .data to the new tensor), rank 0's values kept and cut into
+        # new pieces; a module it builds anew is partitioned after (the other parameters were already).
+        modules = [m for m in (self.get_input_embeddings(), self.get_output_embeddings()) if m is not None]
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        with GatheredParameters(params, modifier_rank=0):
+            result = resize(self, *args, **kwargs)
+        Init(module=self, config=live.config)
+        return result
+
     return {
         "get_init_context": classmethod(init_context),
         "_from_config": classmethod(from_config_partitioned),
         "_load_pretrained_model": staticmethod(load_into_partitions),
         "_move_missing_keys_from_meta_to_device": move_missing_keys,
         "_initialize_missing_keys": initialize_missing_keys,
+        "resize_token_embeddings": resize_partitioned,
     }
 
 

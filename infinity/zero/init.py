@@ -243,6 +243,23 @@ def _restore(param: nn.Parameter, *, keep_edits: bool = True) -> None:
         param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
 
 
+def _repartition(param: nn.Parameter, shard: InitShard, *, src: int) -> None:
+    """A gathered parameter whose ``.data`` was set to a tensor of another shape (Transformers' resizing of an
+    embedding): ``src``'s new value becomes the parameter, cut into new pieces (every rank set the same shape).
+    A piece on NVMe keeps its old place in the swap file, unused, until initialize() takes the pieces."""
+    data = param.data.to(shard.device)
+    shape = torch.tensor(list(data.shape) + [-1] * (8 - data.dim()), device=shard.device)
+    agreed = collectives.broadcast_(shard.comm, shape.clone(), src=src)
+    if not torch.equal(agreed, shape):
+        raise ValueError(f"GatheredParameters: the ranks set a parameter to different shapes ({tuple(data.shape)} "
+                         f"here, rank {src}'s {[int(n) for n in agreed if n >= 0]}); every rank must make the same "
+                         "change")  # fmt: skip
+    collectives.broadcast_(shard.comm, data, src=src)
+    del _SHARDS[param]
+    param.data = data
+    _partition(param, shard.comm, broadcast=False, device=shard.device)
+
+
 def _placeholders(values) -> list[nn.Parameter]:
     found, seen = [], set()
     for leaf in _pytree.tree_leaves(values):
@@ -563,9 +580,12 @@ class GatheredParameters:
         if not self.enabled:
             return
         for param in self._init_params:
-            comm = init_shard(param).comm
+            shard = init_shard(param)
+            if self.modifier_rank is not None and param.data.shape != shard.shape:
+                _repartition(param, shard, src=self.modifier_rank)  # ``.data`` set to a new shape (a resize)
+                continue
             if self.modifier_rank is not None:
-                collectives.broadcast_(comm, param.data, src=self.modifier_rank)
+                collectives.broadcast_(shard.comm, param.data, src=self.modifier_rank)
             _restore(param, keep_edits=self.modifier_rank is not None)
         if self._stage3 is not None:
             self._stage3.partition(self._units, modifier_rank=self.modifier_rank)

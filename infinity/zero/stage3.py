@@ -148,7 +148,8 @@ class Stage3:
     handles: list
     check_call: Callable[[str], None]  # [Note: collective calls] in distributed.py
     reduce_bucket_numel: int  # zero_optimization.reduce_bucket_size: most gradient elements reduced at once
-    on_piece_edited: Callable[[Unit], None] | None = None  # the optimizer's masters follow an edited shard
+    on_piece_edited: Callable[[Unit, torch.Tensor], None] | None = None  # the masters follow an edited shard
+    # (given the unit and its piece as it was before the edit)
 
     def bind_reducer(self, reducer: GradientReducer) -> None:
         """The units' gradient reductions launch in the order the ranks agree on before each backward, at most
@@ -182,9 +183,10 @@ class Stage3:
             if modifier_rank is not None:
                 collectives.broadcast_(comm, unit.full, src=modifier_rank)
                 start, end = unit.bucket.piece_range(comm.rank)
+                before = self.table.shards.read(index) if self.on_piece_edited is not None else None
                 self.table.shards.store(index, unit.full[start:end])
                 if self.on_piece_edited is not None:
-                    self.on_piece_edited(unit)
+                    self.on_piece_edited(unit, before)
             if release:
                 self.coordinator.release_now(index)
 

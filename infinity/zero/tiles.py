@@ -267,9 +267,10 @@ class TiledStep:
         """Copies every tile's master into ``into(tile)`` (an fp32 view): for checkpoints and tests."""
         self._visit(lambda tile, master: into(tile).copy_(master), dirty=False)
 
-    def load_masters(self, tiles: list[Tile], source: Callable[[Tile], torch.Tensor]) -> None:
-        """Overwrites the masters of ``tiles`` with ``source(tile)`` (edited weights); no other tile is read."""
-        self._visit(lambda tile, master: master.copy_(source(tile)), dirty=True, tiles=tiles)
+    def edit_masters(self, tiles: list[Tile], edit: Callable[[Tile, torch.Tensor], None]) -> None:
+        """``edit(tile, master)`` changes the masters of ``tiles`` in place (edited weights); no other tile is
+        read."""
+        self._visit(edit, dirty=True, tiles=tiles)
 
     def _visit(self, fn, *, dirty: bool, tiles: list[Tile] | None = None) -> None:
         self.drop_ahead()

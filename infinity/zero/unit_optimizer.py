@@ -180,16 +180,22 @@ class UnitOptimizer(PartitionedOptimizer):
             if unit.persistent:
                 unit.gather(self.comm, self.table.shards, async_op=False)
 
-    def load_unit_piece(self, unit: Unit) -> None:
-        """The unit's shard was edited (GatheredParameters with modifier_rank): masters follow."""
+    def load_unit_piece(self, unit: Unit, before: torch.Tensor) -> None:
+        """The unit's shard was edited (GatheredParameters with modifier_rank; ``before``: the piece as it was):
+        the masters of the elements whose value changed follow; the others keep their fp32 bits (a bf16 piece
+        rounded them: rebuilding every master from it would lose them)."""
+        if self.tiled.masters is not None:
+            return  # the masters are the fp32 piece itself, edited already
         piece = self.table.shards.read(unit.index)
         start = unit.bucket.shard_offset
 
-        def edited(tile: Tile) -> torch.Tensor:
+        def edit(tile: Tile, master: torch.Tensor) -> None:
             first = tile.start - start
-            return piece[first : first + tile.numel].float()
+            new, old = piece[first : first + tile.numel], before[first : first + tile.numel]
+            changed = new != old
+            master[changed] = new[changed].float()
 
-        self.tiled.load_masters([t for t in self.tiled.tiles if t.piece == unit.index], edited)
+        self.tiled.edit_masters([t for t in self.tiled.tiles if t.piece == unit.index], edit)
 
     def zero_grad(self) -> None:
         self._grad_factors.clear()
