@@ -497,12 +497,25 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         return checked
 
     def _keep_generate_in_step(self) -> None:
-        """Stage 3 at world size > 1: the model's generate() defaults synced_gpus to True while the engine lives
-        ([Note: synced generation] in generation.py); removed with the hooks."""
-        if self.comm.world_size > 1:
-            synced = default_synced_generate(self.module)
-            if synced is not None:
-                self.stage3.handles.append(synced)
+        """Stage 3: the model's generate() gathers the whole model once for the call when it fits
+        stage3_max_live_parameters ([Note: generation gathered once] in generation.py), and at world size > 1
+        defaults synced_gpus to True ([Note: synced generation]); removed with the hooks."""
+        from infinity.zero import GatheredParameters
+
+        numel = sum(unit.numel for unit in self.stage3.table.units)
+        limit = self.config.zero.stage3_max_live_parameters
+        fits = numel <= limit
+
+        def whole():
+            return GatheredParameters(list(self.module.parameters()))
+
+        installed = default_synced_generate(self.module, synced=self.comm.world_size > 1,
+                                            whole=whole if fits else None)  # fmt: skip
+        if installed is not None:
+            self.stage3.handles.append(installed)
+        if not fits and self.comm.rank == 0 and callable(getattr(self.module, "generate", None)):
+            logger.info("generate() streams the weights unit by unit: the model's %s elements exceed "
+                        "stage3_max_live_parameters (%s)", f"{numel:,}", f"{limit:,}")  # fmt: skip
 
     def _scheduler(self, torch_optimizer: torch.optim.Optimizer, lr_scheduler):
         if self.config.scheduler is not None:

@@ -18,13 +18,25 @@ stage-3 placeholders anyway (save_16bit_model gives the weights).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 SYNCED = "synced_gpus"
+
+# [Note: generation gathered once]
+# At stage 3 a forward gathers each unit before its module runs and releases it after (within
+# stage3_max_live_parameters), and every torch call of the pass goes through the fetch-on-use mode: fine for a
+# training step, costly for generate(), which runs one short forward per token (measured: 0.39x plain PyTorch's
+# tokens/s on a small GPT-2 with everything in memory). When the whole model fits stage3_max_live_parameters,
+# generate() gathers it once for the call (GatheredParameters over every parameter), and forwards without
+# gradients then skip the fetching machinery altogether (Stage3.gather), as DeepSpeed users get with TRL's
+# unwrap_model_for_generation; the units go back to their pieces when it returns. A model larger than that
+# streams its units as before, which the engine says once at initialize().
 
 
 @dataclass(eq=False, slots=True)
@@ -44,11 +56,15 @@ class SyncedGenerate:
         self.module = None
 
 
-def default_synced_generate(module: nn.Module) -> SyncedGenerate | None:
-    """Makes ``module.generate(...)`` pass synced_gpus=True unless the caller gives a value ([Note: synced
-    generation]). None when the module has no generate taking synced_gpus (not a transformers model)."""
+def default_synced_generate(module: nn.Module, *, synced: bool = True,
+                            whole: Callable[[], contextlib.AbstractContextManager] | None = None
+                            ) -> SyncedGenerate | None:  # fmt: skip
+    """Makes ``module.generate(...)`` pass synced_gpus=True unless the caller gives a value, where ``synced``
+    ([Note: synced generation]), and run inside ``whole()`` where given (the model gathered once for the whole
+    call: [Note: generation gathered once]). None when the module has no generate taking synced_gpus (not a
+    transformers model), or when there is nothing to do."""
     original = getattr(module, "generate", None)
-    if original is None or not callable(original):
+    if original is None or not callable(original) or not (synced or whole):
         return None
     try:
         names = list(inspect.signature(original).parameters)
@@ -60,9 +76,10 @@ def default_synced_generate(module: nn.Module) -> SyncedGenerate | None:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        if len(args) <= position and kwargs.get(SYNCED) is None:
+        if synced and len(args) <= position and kwargs.get(SYNCED) is None:
             kwargs[SYNCED] = True
-        return original(*args, **kwargs)
+        with whole() if whole is not None else contextlib.nullcontext():
+            return original(*args, **kwargs)
 
     previous = module.__dict__.get("generate")
     module.__dict__["generate"] = generate

@@ -160,6 +160,7 @@ class Coordinator:
         # in one order on every rank (NCCL: [Note: one collective order] in rendezvous.py)
         self.after_pass: Callable[[], None] | None = None  # what the pass's hooks leave behind goes (stage3.py,
         # [Note: multi-grad hooks])
+        self.whole_held = 0  # GatheredParameters holding every unit (nested): forwards without grad skip fetching
         self._reset_pass(grad_mode=True)
 
     # ---- pass boundaries ----

@@ -171,12 +171,22 @@ class Stage3:
 
     # ---- GatheredParameters and saving ----
     def gather(self, params) -> list[tuple[int, bool]]:
-        """Gathers the units holding ``params``: (unit, whether it was released and must be released again)."""
+        """Gathers the units holding ``params``: (unit, whether it was released and must be released again).
+        Every unit gathered: the model is whole until partition(), and a forward without gradients skips the
+        fetching machinery (the hooks and the fetch-on-use mode): a generate() at plain PyTorch's speed."""
         units = sorted({found[0].index for p in params if (found := self.table.unit_of(p)) is not None})
-        return list(zip(units, self.coordinator.gather_now(units), strict=True))
+        gathered = list(zip(units, self.coordinator.gather_now(units), strict=True))
+        if self._whole(units):
+            self.coordinator.whole_held += 1
+        return gathered
+
+    def _whole(self, units: list[int]) -> bool:
+        return set(units) >= {unit.index for unit in self.table.units if unit.numel > 0}
 
     def partition(self, gathered: list[tuple[int, bool]], *, modifier_rank: int | None) -> None:
         """Ends a gather: with modifier_rank, its values go to every rank and into the shards first."""
+        if self._whole([index for index, _ in gathered]):
+            self.coordinator.whole_held -= 1
         comm = self.coordinator.comm
         for index, release in gathered:
             unit = self.table.units[index]
@@ -300,6 +310,8 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
     coordinator.after_pass = remove_grad_hooks
 
     def pre_forward(index, module, args, kwargs):
+        if coordinator.whole_held and not torch.is_grad_enabled():
+            return  # the whole model is gathered (Stage3.gather): nothing to fetch, nothing to record
         if index == 0:
             coordinator.begin_pass()
             fetch_on_use.__enter__()
@@ -311,6 +323,8 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
                 grad_hooks.append(handle)
 
     def post_forward(index, module, args, output):
+        if coordinator.whole_held and not torch.is_grad_enabled() and not entered:
+            return output
         if index == 0 and entered:
             entered.pop()
             fetch_on_use.__exit__(None, None, None)

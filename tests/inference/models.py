@@ -28,11 +28,14 @@ def load_tiny_gpt2(folder: str):
 
 def stage3_nvme_config(nvme_path: str) -> dict:
     """Every piece on NVMe (max_in_cpu 0) and each unit released after its use, so every forward streams the
-    weights from the disk through the staging ring, read ahead along the trace."""
+    weights from the disk through the staging ring, read ahead along the trace; stage3_max_live_parameters below
+    the model's ~31k elements (and room for its prefetch), so generate() streams too rather than gathering the
+    model once ([Note: generation gathered once] in infinity/generation.py)."""
     return {
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": 24000,
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 1 << 14,
             "offload_param": {"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0},
