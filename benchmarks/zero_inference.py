@@ -6,14 +6,18 @@ whole; greedy generation of ``--new-tokens`` tokens from a fixed prompt of ``--p
 Modes, each in its own process (peak RSS is VmHWM from /proc/self/status: getrusage's ru_maxrss is carried across
 exec and would report the parent's):
 - plain: the model built as usual and model.generate(), no engine (the reference; skipped with --no-plain);
-- ram:   the inference engine at stage 3, every piece in memory;
+- ram-once: the inference engine at stage 3, every piece in memory, default knobs: the model fits
+  stage3_max_live_parameters, so generate() gathers it once for the call and its forwards skip the fetching
+  machinery (infinity/generation.py);
+- ram:   the inference engine at stage 3, every piece in memory, streaming;
 - nvme:  the same with offload_param on NVMe (max_in_cpu 0: every piece on the disk, the model built under
   zero.Init straight to it), each forward streaming the weights through the staging ring, read ahead along the
   trace.
-Both engine modes use the same streaming knobs (each unit released after its use, about two blocks live,
+The ram and nvme modes use the same streaming knobs (each unit released after its use, about two blocks live,
 prefetch one block ahead), so they differ only in where the pieces live. Reported per mode: median tokens/s over
 ``--repeats`` generate() calls after one warm-up, peak RSS, and for nvme the bytes read per token and the seconds
-blocked on reads; the ratio nvme/ram. Writes results/zero_inference.json and .png.
+blocked on reads; the ratios nvme/ram and ram-once/plain, and whether each mode generates plain PyTorch's
+tokens. Writes results/zero_inference.json and .png.
 
     python benchmarks/zero_inference.py --nvme-path /path/on/nvme --new-tokens 8 --repeats 3
 """
@@ -35,13 +39,15 @@ import torch
 
 from infinity.memory.host import process_status_bytes
 
-MODES = ["plain", "ram", "nvme"]
+MODES = ["plain", "ram-once", "ram", "nvme"]
 LAYERS, HIDDEN, HEADS, VOCAB = 24, 1024, 16, 50257
 BLOCK_NUMEL = 12 * HIDDEN * HIDDEN  # one block's weights (attention 4 h^2, MLP 8 h^2)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def engine_config(mode: str, nvme_path: str) -> dict:
+    if mode == "ram-once":
+        return {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10 * HIDDEN}}
     zero: dict = {
         "stage": 3,
         "stage3_max_reuse_distance": 0,  # a unit is released after its use: the weights stream
@@ -147,7 +153,7 @@ def plot(report: dict, path: str) -> None:
 
     modes = list(report["modes"])
     rows = [report["modes"][m] for m in modes]
-    colors = {"plain": "#888888", "ram": "#1f77b4", "nvme": "#ff7f0e"}
+    colors = {"plain": "#888888", "ram-once": "#2ca02c", "ram": "#1f77b4", "nvme": "#ff7f0e"}
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     axes[0].bar(modes, [r["median_tokens_per_s"] for r in rows], color=[colors[m] for m in modes])
     axes[0].set_ylabel("tokens/s (median)")
@@ -203,11 +209,15 @@ def main() -> int:
         "parameters": parameter_count(),
         "modes": results,
         "engine_tokens_equal": results["ram"]["tokens"] == results["nvme"]["tokens"],
+        "tokens_equal_plain": {m: r["tokens"] == results["plain"]["tokens"] for m, r in results.items()}
+        if "plain" in results else None,
+        "ram_once_over_plain": results["ram-once"]["median_tokens_per_s"] / results["plain"]["median_tokens_per_s"]
+        if "plain" in results and "ram-once" in results else None,
         "nvme_over_ram": {
             "tokens_per_s": results["nvme"]["median_tokens_per_s"] / results["ram"]["median_tokens_per_s"],
             "peak_rss": results["nvme"]["peak_rss_bytes"] / results["ram"]["peak_rss_bytes"],
         },
-        "engine_config": {m: engine_config(m, "<nvme-path>") for m in ("ram", "nvme")},
+        "engine_config": {m: engine_config(m, "<nvme-path>") for m in ("ram-once", "ram", "nvme")},
         "environment": {"cpus": os.cpu_count(), "threads": args.threads, "torch": torch.__version__,
                         "python": platform.python_version(), "when": time.strftime("%Y-%m-%d %H:%M:%S")},
     }  # fmt: skip
@@ -218,12 +228,15 @@ def main() -> int:
     print(report["workload"])
     for mode, row in results.items():
         rss = row["peak_rss_bytes"] / 2**30
-        line = f"{mode:<6} {row['median_tokens_per_s']:6.2f} tokens/s  peak RSS {rss:5.2f} GiB"
+        line = f"{mode:<8} {row['median_tokens_per_s']:6.2f} tokens/s  peak RSS {rss:5.2f} GiB"
         if "nvme_read_bytes_per_token" in row and mode == "nvme":
             line += (f"  {row['nvme_read_bytes_per_token'] / 1e9:.2f} GB read/token, blocked "
                      f"{row['nvme_read_blocked_s_per_call']:.2f} s/call, {100 * row['prefetched_fraction']:.0f}% "
                      "of fetches prefetched")  # fmt: skip
         print(line)
+    if report["ram_once_over_plain"] is not None:
+        print(f"ram-once/plain: x{report['ram_once_over_plain']:.2f} tokens/s; the same tokens as plain PyTorch: "
+              f"{report['tokens_equal_plain']}")  # fmt: skip
     ratio = report["nvme_over_ram"]
     print(f"nvme/ram: x{ratio['tokens_per_s']:.2f} tokens/s, x{ratio['peak_rss']:.2f} peak RSS; "
           f"ram and nvme generate the same tokens: {report['engine_tokens_equal']}")  # fmt: skip
