@@ -589,3 +589,12 @@ class GatheredParameters:
             _restore(param, keep_edits=self.modifier_rank is not None)
         if self._stage3 is not None:
             self._stage3.partition(self._units, modifier_rank=self.modifier_rank)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model):
+    """DeepSpeed's (deepspeed.runtime.zero.stage3): the whole model gathered once for the block, so generation
+    runs its forwards without fetching (Stage3.gather: [Note: generation gathered once] in infinity/generation.py);
+    yields ``model`` (an engine or its module), partitioned again on exit. Collective."""
+    with GatheredParameters(list(model.parameters())):
+        yield model

@@ -53,3 +53,18 @@ def test_a_model_over_the_limit_streams_and_says_so(tmp_path, caplog):
         result = _generate(rank=0, world_size=1, model_dir=model_dir, max_live=8192)
     assert result["equal"] and result["events"] > 0
     assert "generate() streams the weights unit by unit" in caplog.text
+
+
+def test_unwrap_model_for_generation_gathers_once_whatever_the_limit(tmp_path):
+    """DeepSpeed's unwrap_model_for_generation (TRL's way): inside it, generate() fetches nothing."""
+    model_dir = save_tiny_gpt2(tmp_path / "model")
+    plain = load_tiny_gpt2(model_dir)
+    prompt = torch.tensor([PROMPTS[1]])
+    engine, *_ = infinity.initialize(model=load_tiny_gpt2(model_dir), config=config(8192))
+    events = []
+    original = engine.stage3.coordinator.on_event
+    engine.stage3.coordinator.on_event = lambda *args: (events.append(args), original(*args))[1]
+    with infinity.runtime.zero.stage3.unwrap_model_for_generation(engine) as unwrapped:
+        generated = greedy(unwrapped.module, prompt, max_new_tokens=6, eos_token_id=None)
+    assert events == [] and torch.equal(generated, greedy(plain, prompt, max_new_tokens=6, eos_token_id=None))
+    engine.destroy()
