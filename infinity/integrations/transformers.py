@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from accelerate.utils.deepspeed import DummyOptim  # a plain class: no deepspeed import
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
 from transformers.trainer import SAFE_WEIGHTS_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 from infinity.config import load_json
@@ -308,3 +308,23 @@ class InfinityTrainer(Trainer):
                                               load_module_only=True)  # fmt: skip
         if path is None:
             raise CheckpointError(f"the best checkpoint {best!r} holds no infinity engine checkpoint")
+
+
+@dataclasses.dataclass
+class InfinitySeq2SeqTrainingArguments(InfinityTrainingArguments, Seq2SeqTrainingArguments):
+    """Seq2SeqTrainingArguments (predict_with_generate, generation_max_length, ...) with ``infinity=``."""
+
+
+class InfinitySeq2SeqTrainer(InfinityTrainer, Seq2SeqTrainer):
+    """Seq2SeqTrainer on the infinity engine: evaluate() and predict() generate with the engine's model, in the
+    config's dtype. At stage 3 with world size > 1 generate() keeps every rank in step (synced_gpus), which the
+    Seq2SeqTrainer turns on by itself only for DeepSpeed and FSDP ([Note: synced generation] in
+    infinity/generation.py)."""
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        engine = self.engine
+        if engine is not None and engine.stage3 is not None and engine.world_size > 1:
+            if not gen_kwargs and hasattr(self, "_gen_kwargs"):  # evaluate()'s and predict()'s, as the parent reads
+                gen_kwargs = self._gen_kwargs.copy()  # them only when it is given none
+            gen_kwargs.setdefault("synced_gpus", True)
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
