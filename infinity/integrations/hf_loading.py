@@ -44,6 +44,7 @@ checkpoint into memory first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -207,6 +208,7 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
             model = from_config(cls, config, **kwargs)
         initialize_partitioned(model)
         model.tie_weights()
+        _resize_from_the_top(model)
         return model
 
     def load_into_partitions(model, state_dict, checkpoint_files, load_config, expected_keys=None):
@@ -217,6 +219,7 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
                 "from_pretrained(device_map=...) places whole weights on devices, but under ZeRO-3 (a live "
                 "HfInfinityConfig) every rank keeps a piece of each: drop device_map"
             )
+        _resize_from_the_top(model)
         return load_checkpoint_into_partitions(model, state_dict, checkpoint_files, load_config), None
 
     def move_missing_keys(self, missing_keys, *args, **kwargs):
@@ -233,21 +236,9 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
         return None
 
     def resize_partitioned(self, *args, **kwargs):
-        live = live_config()
-        if any(stage3_runtime(p) is not None for p in self.parameters()):
-            raise ConfigError("resize_token_embeddings on a model an engine holds: the optimizer's state would "
-                              "not follow the new rows; resize before infinity.initialize(), as with DeepSpeed")
-        if live is None or not _partitioned(self):
+        if getattr(self, "_resizing_gathered", False):  # inside resize_gathered, through a subclass's super()
             return resize(self, *args, **kwargs)
-        # The old embeddings whole while Transformers resizes them exactly as it does without ZeRO (its new rows
-        # initialized as there: it sets each weight's .data to the new tensor), rank 0's values kept and cut into
-        # new pieces; a module it builds anew is partitioned after (the other parameters were already).
-        modules = [m for m in (self.get_input_embeddings(), self.get_output_embeddings()) if m is not None]
-        params = list({id(p): p for m in modules for p in m.parameters()}.values())
-        with GatheredParameters(params, modifier_rank=0):
-            result = resize(self, *args, **kwargs)
-        Init(module=self, config=live.config)
-        return result
+        return resize_gathered(self, functools.partial(resize, self), *args, **kwargs)
 
     return {
         "get_init_context": classmethod(init_context),
@@ -257,6 +248,37 @@ def _wrappers(originals: dict[str, Any]) -> dict[str, Any]:
         "_initialize_missing_keys": initialize_missing_keys,
         "resize_token_embeddings": resize_partitioned,
     }
+
+
+def resize_gathered(model: nn.Module, call, *args, **kwargs):
+    """resize_token_embeddings on a model zero.Init partitioned: the old embeddings whole while Transformers
+    resizes them exactly as it does without ZeRO (its new rows initialized as there: it sets each weight's .data
+    to the new tensor, which GatheredParameters cuts into new pieces, rank 0's values on every rank); a module it
+    builds anew is partitioned after. ``call``: the resize to run (a model class's own override, which calls
+    Transformers' through super(), reads the new shapes while they are still whole)."""
+    live = live_config()
+    if any(stage3_runtime(p) is not None for p in model.parameters()):
+        raise ConfigError("resize_token_embeddings on a model an engine holds: the optimizer's state would "
+                          "not follow the new rows; resize before infinity.initialize(), as with DeepSpeed")
+    if live is None or not _partitioned(model):
+        return call(*args, **kwargs)
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    model._resizing_gathered = True
+    try:
+        with GatheredParameters(params, modifier_rank=0):
+            result = call(*args, **kwargs)
+    finally:
+        model._resizing_gathered = False
+    Init(module=model, config=live.config)
+    return result
+
+
+def _resize_from_the_top(model: nn.Module) -> None:
+    """The model's own resize_token_embeddings (a subclass's override included) runs inside the gather: set on
+    the instance, as the models built partitioned here get it."""
+    bound = type(model).resize_token_embeddings.__get__(model)
+    model.__dict__["resize_token_embeddings"] = functools.partial(resize_gathered, model, bound)
 
 
 def initialize_partitioned(model: nn.Module) -> None:

@@ -110,18 +110,31 @@ def gathered_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tens
 
 def is_peft_model(model: nn.Module) -> bool:
     """A PEFT model (LoRA and the like): it saves its adapters with save_pretrained(state_dict=...)."""
-    return type(model).__module__.startswith("peft.") and hasattr(model, "peft_config")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 def trained_state_dict(engine, *, keep: bool) -> dict[str, torch.Tensor]:
-    """Collective: the parameters the optimizer updates (a PEFT model's adapters), whole, as CPU copies where
-    ``keep`` (the rank that writes), else {}; at stage 3 only their units are gathered (the frozen base never)."""
+    """Collective: the parameters the optimizer updates (a PEFT model's adapters) and the input and output
+    embeddings (PEFT saves them too where the vocabulary was resized or they are targeted: it picks from what it
+    is given), whole, as CPU copies where ``keep`` (the rank that writes), else {}; at stage 3 only their units
+    are gathered (the rest of the frozen base never)."""
     from infinity.zero import GatheredParameters
 
-    optimized = [p for group in engine.zero_optimizer.groups for p in group]
-    names = {id(p): n for n, p in engine.module.named_parameters()}
-    with GatheredParameters(optimized):
-        return {names[id(p)]: p.detach().to("cpu", copy=True) for p in optimized} if keep else {}
+    model = engine.module
+    wanted = [p for group in engine.zero_optimizer.groups for p in group]
+    base = getattr(model, "get_base_model", lambda: model)()
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(base, get, lambda: None)()
+        if module is not None:
+            wanted += list(module.parameters())
+    wanted = list({id(p): p for p in wanted}.values())
+    names = {id(p): n for n, p in model.named_parameters()}
+    with GatheredParameters(wanted):
+        return {names[id(p)]: p.detach().to("cpu", copy=True) for p in wanted if id(p) in names} if keep else {}
 
 
 class InfinityTrainer(Trainer):

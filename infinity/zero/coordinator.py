@@ -161,6 +161,7 @@ class Coordinator:
         self.after_pass: Callable[[], None] | None = None  # what the pass's hooks leave behind goes (stage3.py,
         # [Note: multi-grad hooks])
         self.whole_held = 0  # GatheredParameters holding every unit (nested): forwards without grad skip fetching
+        self.held: dict[int, int] = {}  # unit -> the GatheredParameters blocks holding it: no pass releases it
         self._reset_pass(grad_mode=True)
 
     # ---- pass boundaries ----
@@ -497,7 +498,7 @@ class Coordinator:
 
     def _release(self, index: int) -> None:
         unit = self.table.units[index]
-        if unit.persistent:
+        if unit.persistent or self.held.get(index):
             return
         unit.wait()  # a collective still writing into the buffer must finish first
         unit.release()

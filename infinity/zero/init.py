@@ -243,21 +243,36 @@ def _restore(param: nn.Parameter, *, keep_edits: bool = True) -> None:
         param.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
 
 
-def _repartition(param: nn.Parameter, shard: InitShard, *, src: int) -> None:
-    """A gathered parameter whose ``.data`` was set to a tensor of another shape (Transformers' resizing of an
-    embedding): ``src``'s new value becomes the parameter, cut into new pieces (every rank set the same shape).
-    A piece on NVMe keeps its old place in the swap file, unused, until initialize() takes the pieces."""
+MAX_DIMS = 8  # a shape travels as this many numbers (-1 past its last dimension)
+
+
+def _src_shapes(params: list[nn.Parameter], comm: Comm, src: int) -> list[torch.Size]:
+    """Every parameter's shape as rank ``src`` holds it: one broadcast for all, before any rank chooses a path (a
+    rank that changed none must still take part in the new shape's broadcast)."""
+    local = torch.full((len(params), MAX_DIMS), -1, dtype=torch.int64)
+    for row, param in enumerate(params):
+        if param.data.dim() > MAX_DIMS:
+            raise ValueError(f"GatheredParameters: a parameter of {param.data.dim()} dimensions (at most {MAX_DIMS})")
+        local[row, : param.data.dim()] = torch.tensor(param.data.shape, dtype=torch.int64)
+    shapes = local.to(init_shard(params[0]).device)
+    collectives.broadcast_(comm, shapes, src=src)
+    return [torch.Size(int(n) for n in row if n >= 0) for row in shapes.cpu()]
+
+
+def _repartition(param: nn.Parameter, shard: InitShard, shape: torch.Size, *, src: int) -> None:
+    """A gathered parameter whose ``.data`` rank ``src`` set to a tensor of another shape (Transformers' resizing
+    of an embedding): src's value becomes the parameter on every rank, cut into new pieces in the same home as
+    the old (device, host memory or NVMe). An NVMe piece's old place in the swap file stays unused until
+    initialize() takes the pieces."""
     data = param.data.to(shard.device)
-    shape = torch.tensor(list(data.shape) + [-1] * (8 - data.dim()), device=shard.device)
-    agreed = collectives.broadcast_(shard.comm, shape.clone(), src=src)
-    if not torch.equal(agreed, shape):
-        raise ValueError(f"GatheredParameters: the ranks set a parameter to different shapes ({tuple(data.shape)} "
-                         f"here, rank {src}'s {[int(n) for n in agreed if n >= 0]}); every rank must make the same "
-                         "change")  # fmt: skip
+    if data.shape != shape:  # this rank did not make the change: src's value arrives
+        data = torch.empty(shape, dtype=data.dtype, device=shard.device)
     collectives.broadcast_(shard.comm, data, src=src)
     del _SHARDS[param]
     param.data = data
-    _partition(param, shard.comm, broadcast=False, device=shard.device)
+    on_host = shard.piece is not None and shard.piece.device.type == "cpu" and shard.device.type != "cpu"
+    _partition(param, shard.comm, broadcast=False, device=shard.device,
+               swap=shard.swapped.swap if shard.swapped is not None else None, host=on_host)  # fmt: skip
 
 
 def _placeholders(values) -> list[nn.Parameter]:
@@ -579,11 +594,16 @@ class GatheredParameters:
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
-        for param in self._init_params:
+        shapes = [None] * len(self._init_params)
+        if self.modifier_rank is not None and self._init_params:
+            shapes = _src_shapes(self._init_params, init_shard(self._init_params[0]).comm, self.modifier_rank)
+        for param, shape in zip(self._init_params, shapes, strict=True):
             shard = init_shard(param)
-            if self.modifier_rank is not None and param.data.shape != shard.shape:
-                _repartition(param, shard, src=self.modifier_rank)  # ``.data`` set to a new shape (a resize)
+            if shape is not None and shape != shard.shape:
+                _repartition(param, shard, shape, src=self.modifier_rank)  # ``.data`` set to a new shape (a resize)
                 continue
+            if self.modifier_rank is not None and param.data.shape != shard.shape:  # changed here, not on src
+                param.data = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
             if self.modifier_rank is not None:
                 collectives.broadcast_(shard.comm, param.data, src=self.modifier_rank)
             _restore(param, keep_edits=self.modifier_rank is not None)

@@ -176,6 +176,9 @@ class Stage3:
         fetching machinery (the hooks and the fetch-on-use mode): a generate() at plain PyTorch's speed."""
         units = sorted({found[0].index for p in params if (found := self.table.unit_of(p)) is not None})
         gathered = list(zip(units, self.coordinator.gather_now(units), strict=True))
+        held = self.coordinator.held
+        for index in units:  # held until partition(): a forward inside the block releases none of them
+            held[index] = held.get(index, 0) + 1
         if self._whole(units):
             self.coordinator.whole_held += 1
         return gathered
@@ -187,6 +190,11 @@ class Stage3:
         """Ends a gather: with modifier_rank, its values go to every rank and into the shards first."""
         if self._whole([index for index, _ in gathered]):
             self.coordinator.whole_held -= 1
+        held = self.coordinator.held
+        for index, _ in gathered:
+            held[index] -= 1
+            if not held[index]:
+                del held[index]
         comm = self.coordinator.comm
         for index, release in gathered:
             unit = self.table.units[index]

@@ -68,3 +68,20 @@ def test_unwrap_model_for_generation_gathers_once_whatever_the_limit(tmp_path):
         generated = greedy(unwrapped.module, prompt, max_new_tokens=6, eos_token_id=None)
     assert events == [] and torch.equal(generated, greedy(plain, prompt, max_new_tokens=6, eos_token_id=None))
     engine.destroy()
+
+
+def test_a_forward_with_gradients_inside_a_whole_gather_releases_nothing(tmp_path):
+    """GatheredParameters holds its units: a forward with gradients inside the block neither releases them nor
+    leaves a later forward without gradients on placeholders."""
+    model_dir = save_tiny_gpt2(tmp_path / "model")
+    engine, *_ = infinity.initialize(model=load_tiny_gpt2(model_dir), config=config(10**9))
+    prompt = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        want = engine(prompt).logits.clone()
+    with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+        with_grad = engine(prompt).logits
+        with torch.no_grad():
+            after = engine(prompt).logits
+    assert torch.equal(with_grad.detach(), want) and torch.equal(after, want)
+    assert engine.stage3.coordinator.held == {} and engine.stage3.coordinator.whole_held == 0
+    engine.destroy()

@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM, GPT2Config  # noqa: E402
 
@@ -94,3 +94,39 @@ def test_an_edit_of_some_rows_keeps_the_other_masters_bits(tmp_path):
     others = [row for row in range(64) if row != 3]
     assert torch.equal(after[others], before[others])
     engine.destroy()
+
+
+def _rank0_changes_the_shape(*, rank: int, world_size: int, nvme: str) -> dict:
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme}}}
+    with infinity.zero.Init(config=config):
+        layer = torch.nn.Linear(4, 6)
+    with GatheredParameters(layer.weight, modifier_rank=0):
+        if rank == 0:  # the other rank changes nothing
+            layer.weight.data = torch.arange(40, dtype=torch.float32).view(10, 4)
+    with GatheredParameters(layer.weight):
+        value = layer.weight.detach().clone()
+    from infinity.zero.init import init_shard
+
+    return {"value": value, "on_nvme": init_shard(layer.weight).swapped is not None}
+
+
+def test_a_new_shape_from_the_modifier_rank_alone_reaches_every_rank_and_stays_on_nvme(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    results = run_distributed(_rank0_changes_the_shape, 2, tmp_path, timeout_s=60, nvme=str(tmp_path / "nvme"))
+    for result in results:
+        assert torch.equal(result["value"], torch.arange(40, dtype=torch.float32).view(10, 4))
+        assert result["on_nvme"]
+
+
+def test_a_model_whose_own_resize_reads_the_new_shape(tmp_path):
+    """BART's resize_token_embeddings calls Transformers' and then reads the new embedding's shape to resize its
+    final_logits_bias: it runs whole, inside the gather."""
+    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
+                                     max_position_embeddings=40, dropout=0.0)  # fmt: skip
+    live = HfInfinityConfig(CONFIG)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(config)
+    model.resize_token_embeddings(80)
+    assert tuple(model.final_logits_bias.shape) == (1, 80)
+    assert model.get_input_embeddings().weight.ds_shape == (80, 32) and model.config.vocab_size == 80
+    del live
