@@ -2,8 +2,8 @@
 infinity after one change: ``import deepspeed`` becomes ``import infinity as deepspeed`` (the test in
 tests/examples/test_examples.py makes exactly that change and runs it under torchrun with two processes).
 
-Run it (two processes, parameters and optimizer states on NVMe under /tmp/nvme):
-    torchrun --nproc_per_node 2 examples/deepspeed_zero3.py --nvme /tmp/nvme
+Run it (two processes, parameters and optimizer states on NVMe in ./swap, which must exist):
+    mkdir -p swap && torchrun --nproc_per_node 2 examples/deepspeed_zero3.py --nvme swap
 
 Besides training, it checks what each helper returns against what DeepSpeed documents: the partitioned-state
 helpers (deepspeed.utils.safe_*), the engine's getters, GatheredParameters with a modifier rank,
