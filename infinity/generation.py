@@ -61,18 +61,22 @@ def default_synced_generate(module: nn.Module, *, synced: bool = True,
                             ) -> SyncedGenerate | None:  # fmt: skip
     """Makes ``module.generate(...)`` pass synced_gpus=True unless the caller gives a value, where ``synced``
     ([Note: synced generation]), and run inside ``whole()`` where given (the model gathered once for the whole
-    call: [Note: generation gathered once]). None when the module has no generate taking synced_gpus (not a
-    transformers model), or when there is nothing to do."""
+    call: [Note: generation gathered once]). None when the module has no generate taking synced_gpus or passing
+    keyword arguments on (not a transformers or PEFT model), or when there is nothing to do."""
     original = getattr(module, "generate", None)
     if original is None or not callable(original) or not (synced or whole):
         return None
     try:
-        names = list(inspect.signature(original).parameters)
+        parameters = inspect.signature(original).parameters
     except (TypeError, ValueError):
         return None
-    if SYNCED not in names:
+    names = list(parameters)
+    if SYNCED in names:
+        position = names.index(SYNCED)  # in the bound method's signature: args before it are positional
+    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        position = 1 << 30  # a wrapper passing **kwargs on (a PEFT model's generate): only by keyword
+    else:
         return None
-    position = names.index(SYNCED)  # in the bound method's signature: args before it are positional
 
     @functools.wraps(original)
     def generate(*args, **kwargs):

@@ -88,3 +88,21 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes(tmp_path):
     assert [s["step"] for s in again] == [5, 6, 7, 8]
     assert [s["loss"] for s in again] == pytest.approx([s["loss"] for s in want[4:]], rel=1e-5)
     resumed.engine.destroy()
+
+
+def test_a_lora_model_generates_gathered_once_with_the_plain_tokens(tmp_path):
+    """A PeftModel's generate (*args, **kwargs) gets the stage-3 generate behaviour too: the model gathered once
+    for the call, no fetch per token, the tokens of the same LoRA model in plain PyTorch."""
+    import infinity
+
+    plain = lora_gpt2().eval()
+    prompt = torch.tensor([[5, 17, 33, 2]])
+    want = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    engine, *_ = infinity.initialize(model=lora_gpt2().eval(), config={
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})  # fmt: skip
+    events = []
+    original = engine.stage3.coordinator.on_event
+    engine.stage3.coordinator.on_event = lambda *args: (events.append(args), original(*args))[1]
+    got = engine.module.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want) and events == []
+    engine.destroy()
