@@ -51,14 +51,18 @@ class EngineControls:
                 f"set_train_batch_size({train_batch_size!r}): the batch size must be a positive multiple of "
                 f"train_micro_batch_size_per_gpu x world size = {micro} x {world} = {micro * world}"
             )
-        if self._backward_pending or self.micro_steps % self.config.gradient_accumulation_steps:
-            raise ValueError("set_train_batch_size in the middle of gradient accumulation: call it right after the "
-                             "engine.step() that ends a window")  # fmt: skip
+        self._check_between_steps("set_train_batch_size")
         accumulation = train_batch_size // (micro * world)
         self.config = dataclasses.replace(self.config, train_batch_size=train_batch_size,
                                           gradient_accumulation_steps=accumulation)  # fmt: skip
         self.micro_steps = self.global_steps * accumulation  # a window boundary under the new length
         logger.info("train batch size now %d (gradient_accumulation_steps %d)", train_batch_size, accumulation)
+
+    def _check_between_steps(self, call: str) -> None:
+        """A batch size changes between optimizer steps only: the window in progress would be cut otherwise."""
+        if self._backward_pending or self.micro_steps % self.config.gradient_accumulation_steps:
+            raise ValueError(f"{call} in the middle of gradient accumulation: call it right after the engine.step() "
+                             "that ends a window")  # fmt: skip
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's: overrides whether the next backward ends the accumulation window, for a loop that runs

@@ -186,9 +186,7 @@ class EngineGetters:
         Between optimizer steps only."""
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): a positive integer")
-        if self._backward_pending or self.micro_steps % self.config.gradient_accumulation_steps:
-            raise ValueError("set_train_micro_batch_size in the middle of gradient accumulation: call it right "
-                             "after the engine.step() that ends a window")  # fmt: skip
+        self._check_between_steps("set_train_micro_batch_size")  # EngineControls'
         batch = micro_batch_size * self.config.gradient_accumulation_steps * self.comm.world_size
         self.config = dataclasses.replace(self.config, train_micro_batch_size_per_gpu=micro_batch_size,
                                           train_batch_size=batch)  # fmt: skip

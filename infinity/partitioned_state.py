@@ -106,59 +106,43 @@ class PartitionedState:
         return shards.edit(region.piece) if dirty else shards.on_device(region.piece)
 
     # ---- masters and states ----
-    def get_full(self, param: nn.Parameter, key: str | None) -> torch.Tensor | None:
+    def _frame(self, name: str, *, local: bool) -> tuple[int, tuple[int, ...]]:
+        """Where a value starts within the parameter and its shape: the whole parameter, or (``local``) this
+        rank's fragment, 1-D."""
+        if not local:
+            return 0, tuple(self.map.optimized[name][0])
+        first, end = self._own_fragment(name)
+        return first, (end - first,)
+
+    def get(self, param: nn.Parameter, key: str | None, *, local: bool) -> torch.Tensor | None:
+        """The fp32 master (``key`` None) or optimizer state ``key``; whole (collective) or this rank's part."""
         name = self.name_of(param)
         if name is None:
             return None
         if key is not None:
             self._check_state(param, key)
-        shape = self.map.optimized[name][0]
+        first, shape = self._frame(name, local=local)
         out = torch.zeros(shape, dtype=torch.float32, device=self.engine.device)
         flat = out.view(-1)
         for _, values, span in self._blocks(name, dirty=False, key=key):
-            flat[span].copy_(values)
-        self._sum_over_ranks(out)
+            flat[span.start - first : span.stop - first].copy_(values)
+        if not local:
+            self._sum_over_ranks(out)
         return out
 
-    def set_full(self, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    def set(self, param: nn.Parameter, value: torch.Tensor, key: str | None, *, local: bool) -> None:
         name = self.name_of(param)
         if name is None:
             raise StateAccessError(f"{self._describe(param)} is not updated by the optimizer (frozen, or not in "
                                    "its param groups): it has no fp32 master or optimizer state")  # fmt: skip
         if key is not None:
             self._check_state(param, key)
-        shape = self.map.optimized[name][0]
-        flat = self._checked(value, shape, name).view(-1)
-        for _, values, span in self._blocks(name, dirty=True, key=key):
-            values.copy_(flat[span])
-        if key is None:
-            self._publish_weight(param, name, flat, local=False)
-
-    def get_local(self, param: nn.Parameter, key: str | None) -> torch.Tensor | None:
-        name = self.name_of(param)
-        if name is None:
-            return None
-        if key is not None:
-            self._check_state(param, key)
-        fragment = self._own_fragment(name)
-        out = torch.zeros(fragment[1] - fragment[0], dtype=torch.float32, device=self.engine.device)
-        for _, values, span in self._blocks(name, dirty=False, key=key):
-            out[span.start - fragment[0] : span.stop - fragment[0]].copy_(values)
-        return out
-
-    def set_local(self, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
-        name = self.name_of(param)
-        if name is None:
-            raise StateAccessError(f"{self._describe(param)} is not updated by the optimizer: it has no fp32 "
-                                   "partition or optimizer state")  # fmt: skip
-        if key is not None:
-            self._check_state(param, key)
-        first, end = self._own_fragment(name)
-        flat = self._checked(value, (end - first,), name, local=True).view(-1)
+        first, shape = self._frame(name, local=local)
+        flat = self._checked(value, shape, name, local=local).view(-1)
         for _, values, span in self._blocks(name, dirty=True, key=key):
             values.copy_(flat[span.start - first : span.stop - first])
         if key is None:
-            self._publish_weight(param, name, flat, local=True)
+            self._publish_weight(param, name, flat, local=local)
 
     def _own_fragment(self, name: str) -> tuple[int, int]:
         """The parameter's elements this rank holds, [first, end) (empty when it holds none)."""
@@ -232,49 +216,31 @@ class PartitionedState:
             grads = tensors[max(place.region.group, 0)]
             yield fragment, grads[fragment.offset : fragment.offset + fragment.numel]
 
-    def get_full_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+    def get_grad(self, param: nn.Parameter, *, local: bool) -> torch.Tensor | None:
         found = self._gradient(param)
         if found is None:
             return None
         name, tensors = found
-        out = torch.zeros(self.map.optimized[name][0], dtype=torch.float32, device=self.engine.device)
+        first, shape = self._frame(name, local=local)
+        out = torch.zeros(shape, dtype=torch.float32, device=self.engine.device)
         flat = out.view(-1)
         for fragment, grad in self._grad_views(name, tensors):
-            flat[fragment.param_start : fragment.param_start + fragment.numel].copy_(grad)
-        self._sum_over_ranks(out)
+            start = fragment.param_start - first
+            flat[start : start + fragment.numel].copy_(grad)
+        if not local:
+            self._sum_over_ranks(out)
         return out.div_(self.engine.loss_scaler.scale)
 
-    def set_full_grad(self, param: nn.Parameter, value: torch.Tensor) -> None:
+    def set_grad(self, param: nn.Parameter, value: torch.Tensor, *, local: bool) -> None:
         found = self._gradient(param)
         if found is None:
             raise StateAccessError(f"{self._describe(param)} is not updated by the optimizer: it has no gradient")
         name, tensors = found
-        flat = self._checked(value, self.map.optimized[name][0], name).view(-1)
+        first, shape = self._frame(name, local=local)
+        flat = self._checked(value, shape, name, local=local).view(-1)
         for fragment, grad in self._grad_views(name, tensors):
-            grad.copy_(flat[fragment.param_start : fragment.param_start + fragment.numel])
-            grad.mul_(self.engine.loss_scaler.scale)
-
-    def get_local_grad(self, param: nn.Parameter) -> torch.Tensor | None:
-        found = self._gradient(param)
-        if found is None:
-            return None
-        name, tensors = found
-        first, end = self._own_fragment(name)
-        out = torch.zeros(end - first, dtype=torch.float32, device=self.engine.device)
-        for fragment, grad in self._grad_views(name, tensors):
-            out[fragment.param_start - first : fragment.param_start - first + fragment.numel].copy_(grad)
-        return out.div_(self.engine.loss_scaler.scale)
-
-    def set_local_grad(self, param: nn.Parameter, value: torch.Tensor) -> None:
-        found = self._gradient(param)
-        if found is None:
-            raise StateAccessError(f"{self._describe(param)} is not updated by the optimizer: it has no gradient")
-        name, tensors = found
-        first, end = self._own_fragment(name)
-        flat = self._checked(value, (end - first,), name, local=True).view(-1)
-        for fragment, grad in self._grad_views(name, tensors):
-            grad.copy_(flat[fragment.param_start - first : fragment.param_start - first + fragment.numel])
-            grad.mul_(self.engine.loss_scaler.scale)
+            start = fragment.param_start - first
+            grad.copy_(flat[start : start + fragment.numel]).mul_(self.engine.loss_scaler.scale)
 
     # ---- shared ----
     def _sum_over_ranks(self, out: torch.Tensor) -> None:

@@ -35,56 +35,56 @@ __all__ = [
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's whole fp32 master (its shape, on the engine's device)."""
-    return state_of(param).get_full(param, None)
+    return state_of(param).get(param, None, local=False)
 
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Sets the parameter's fp32 master, and its compute-dtype weight, to ``value`` (whole, on every rank)."""
-    state_of(param).set_full(param, value, None)
+    state_of(param).set(param, value, None, local=False)
 
 
 def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The parameter's whole optimizer state ``optim_state_key`` ("exp_avg", "exp_avg_sq", ...), fp32."""
-    return state_of(param).get_full(param, optim_state_key)
+    return state_of(param).get(param, optim_state_key, local=False)
 
 
 def safe_set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    state_of(param).set_full(param, value, optim_state_key)
+    state_of(param).set(param, value, optim_state_key, local=False)
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The parameter's reduced fp32 gradient (the window's, fp16's loss scale divided out), between backward
     and step."""
-    return state_of(param).get_full_grad(param)
+    return state_of(param).get_grad(param, local=False)
 
 
 def safe_set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    state_of(param).set_full_grad(param, value)
+    state_of(param).set_grad(param, value, local=False)
 
 
 def safe_get_local_fp32_param(param: nn.Parameter) -> torch.Tensor | None:
     """This rank's fragment of the parameter's fp32 master (1-D)."""
-    return state_of(param).get_local(param, None)
+    return state_of(param).get(param, None, local=True)
 
 
 def safe_set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
-    state_of(param).set_local(param, value, None)
+    state_of(param).set(param, value, None, local=True)
 
 
 def safe_get_local_optimizer_state(param: nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
-    return state_of(param).get_local(param, optim_state_key)
+    return state_of(param).get(param, optim_state_key, local=True)
 
 
 def safe_set_local_optimizer_state(param: nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
-    state_of(param).set_local(param, value, optim_state_key)
+    state_of(param).set(param, value, optim_state_key, local=True)
 
 
 def safe_get_local_grad(param: nn.Parameter) -> torch.Tensor | None:
-    return state_of(param).get_local_grad(param)
+    return state_of(param).get_grad(param, local=True)
 
 
 def safe_set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
-    state_of(param).set_local_grad(param, value)
+    state_of(param).set_grad(param, value, local=True)
 
 
 def __getattr__(name: str):
