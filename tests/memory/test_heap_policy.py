@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,13 +59,16 @@ def _run(steps: int, **env: str) -> dict:
 
 def test_training_in_memory_reuses_its_blocks_and_stays_near_its_settled_size():
     """Each step allocates and frees activations of 64 MiB (the hidden layer, its ReLU, their gradients). With
-    the engine's KEEP policy they come from the heap the first steps grew: over steps 5-60 under a quarter of one
-    activation's pages a step on average (the heap's occasional growth, given back, is faulted in again once), and
-    the resident size never passes the settled one by more than the watch's slack."""
+    the engine's KEEP policy they come from the heap the first steps grew: over steps 5-60 the typical step
+    faults under 1/64 of one activation's pages, and on average under half of one (glibc's occasional growth by a
+    whole block, and the watch's trim after a few of them, fault a block in once: CI saw 20 such blocks in 56
+    steps on one run, none on most), against more than one every step in the control below; the resident size
+    never passes the settled one by more than the watch's slack."""
     pages = ACTIVATION_BYTES // 4096
     run = _run(60)
     faults, resident = run["faults"][4:], run["resident"]
-    assert sum(faults) < len(faults) * pages // 4, faults
+    assert statistics.median(faults) < pages // 64, faults
+    assert sum(faults) < len(faults) * pages // 2, faults
     settled = resident[SETTLED - 1]
     slack = max(host.GROWTH_SLACK_BYTES, settled // host.GROWTH_SLACK_PART)
     assert max(resident[SETTLED:]) <= settled + slack + (8 << 20), [r >> 20 for r in resident]
