@@ -239,6 +239,9 @@ class InfinityAccelerator(Accelerator):
         self.scale_wrt_gas = True
         # Called with (config, model) just before initialize(): the Trainer's second "auto" phase.
         self.finalize_config: Callable[[dict, nn.Module], dict] | None = None
+        # Set by a Trainer: whether a model is the one it trains (any other prepared for evaluation is a reference).
+        self.is_trained_model: Callable[[nn.Module], bool] | None = None
+        self.reference_engines: list = []  # prepare_reference_model's engines
 
     # ---- prepare ----
     def prepare(self, *args, device_placement=None):
@@ -307,9 +310,41 @@ class InfinityAccelerator(Accelerator):
         own parameters as it runs (EvaluationGathering) until prepare() builds the engine."""
         if self.engine is not None and model in (self.engine, self.engine.module):
             return self.engine
+        if evaluation_mode and self._is_reference(model):
+            return self.prepare_reference_model(model)
         if evaluation_mode and self.engine is None:
             return self._prepare_for_evaluation(model)
         return self.prepare(model)
+
+    def _is_reference(self, model: nn.Module) -> bool:
+        """A model prepared for evaluation that is not the one to train: the trainer's model is another (TRL's
+        reference model), or the engine already trains another."""
+        if any(model is ref or model is ref.module for ref in self.reference_engines):
+            return True
+        if self.engine is not None:
+            return True
+        return self.is_trained_model is not None and not self.is_trained_model(model)
+
+    def prepare_reference_model(self, model: nn.Module):
+        """A frozen model beside the trained one (a DPO reference, a teacher), as TRL prepares it with DeepSpeed's
+        inference engine: an infinity inference engine with this accelerator's config, its optimizer and schedule
+        left out, so at stage 3 it is partitioned over the ranks with its pieces where ``offload_param`` says
+        (NVMe included), and below stage 3 it sits whole on the device in the compute dtype. Returns the engine
+        (call it as the model); it lives as long as this accelerator."""
+        import infinity
+        from infinity.inference import InferenceEngine
+
+        if isinstance(model, InferenceEngine):
+            return model
+        check_model_free(model)
+        config = dict(self.infinity_config)
+        if self.finalize_config is not None:
+            config = self.finalize_config(config, model)
+        config = {key: value for key, value in config.items() if key not in ("optimizer", "scheduler")}
+        engine, *_ = infinity.initialize(model=model, config=config)
+        engine.eval()
+        self.reference_engines.append(engine)
+        return engine
 
     def _prepare_for_evaluation(self, model: nn.Module) -> nn.Module:
         check_model_free(model)

@@ -25,6 +25,8 @@ import functools
 import inspect
 import logging
 import os
+import sys
+import weakref
 from typing import Any
 
 import torch
@@ -165,12 +167,16 @@ class InfinityTrainer(Trainer):
             raise ConfigError(
                 f"InfinityTrainer needs InfinityTrainingArguments (with infinity=...), got {type(self.args).__name__}"
             )
+        if "trl" in sys.modules:  # a TRL trainer on the engine, however its class was made: TRL's gathers work
+            import infinity.integrations.trl  # noqa: F401  ([Note: TRL's fused head])
         super().create_accelerator_and_postprocess()  # builds Accelerate's, with the Trainer's arguments
         kwargs = dict(self._accelerator_kwargs)
         kwargs.pop("deepspeed_plugin", None)
         self.accelerator = InfinityAccelerator(infinity=self.args.infinity_config, **kwargs)
         self.accelerator.scale_wrt_gas = False  # training_step divided the loss by the accumulation steps
         self.accelerator.finalize_config = self._finalize_config
+        trainer = weakref.ref(self)
+        self.accelerator.is_trained_model = lambda model: model is getattr(trainer(), "model", None)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(
