@@ -110,6 +110,30 @@ class _Owner:
 _OWNERS: dict[int, _Owner] = {}
 
 
+def _say_cast(model: nn.Module, dtype: torch.dtype) -> None:
+    """The engine holds every parameter in the compute dtype (its shards, units and flat weights have one dtype).
+    A model with parameters in another 16-bit dtype (a bf16 base under LoRA adapters in fp32) is therefore
+    computed in the config's dtype, where DeepSpeed without fp16/bf16 would leave each as it is: said once, with
+    the change that keeps the model's precision. fp32 parameters cast to the 16-bit compute dtype are mixed
+    precision as configured, and say nothing."""
+    other = [(name, p.dtype) for name, p in model.named_parameters()
+             if p.is_floating_point() and p.dtype not in (dtype, torch.float32)]  # fmt: skip
+    if not other:
+        return
+    kinds = sorted({str(d).removeprefix("torch.") for _, d in other})
+    target = str(dtype).removeprefix("torch.")
+    keys = [f'"{_CONFIG_KEY[k]}": {{"enabled": true}}' for k in kinds if k in _CONFIG_KEY]
+    advice = f"enable {' or '.join(keys)} in the config" if keys else f"cast the model to {target} before initialize()"
+    logger.warning(
+        "%d of the model's parameters are %s (%r first) but the config computes in %s: the engine casts them, so "
+        "their math is %s's, not the model's own. To compute in the model's precision %s (trainable parameters "
+        "keep fp32 masters)", len(other), "/".join(kinds), other[0][0], target, target, advice,
+    )  # fmt: skip
+
+
+_CONFIG_KEY = {"bfloat16": "bf16", "float16": "fp16"}  # the config section that computes in a dtype
+
+
 def check_model_free(model: nn.Module) -> None:
     """A model a live engine holds cannot go to another one: said here, not as a shape error deep inside. Nor can
     one a stage-3 engine partitioned, once that engine is destroyed or dropped: its weights went with it."""
@@ -153,6 +177,25 @@ def _remove_hooks(zero_optimizer, stage3: Stage3 | None) -> None:
         zero_optimizer.close()
     if stage3 is not None:
         stage3.close()
+
+
+def _drop_frozen(optimizer: torch.optim.Optimizer, *, say: bool) -> None:
+    """Parameters that do not require grad leave the optimizer's groups (an empty group stays, so group indices
+    and schedules hold), as DeepSpeed's ZeRO optimizers keep only trainable ones: a PEFT model's whole
+    ``model.parameters()`` handed to AdamW trains the adapters and keeps no masters or states for the frozen base."""
+    dropped = 0
+    for group in optimizer.param_groups:
+        kept = [p for p in group["params"] if p.requires_grad]
+        dropped += len(group["params"]) - len(kept)
+        group["params"] = kept
+    if not dropped:
+        return
+    trainable = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for param in [p for p in optimizer.state if id(p) not in trainable]:
+        del optimizer.state[param]
+    if say:
+        logger.info("the optimizer was given %d parameters that do not require grad: left out of it, as DeepSpeed "
+                    "does (frozen; never updated)", dropped)  # fmt: skip
 
 
 def _not_optimized(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
@@ -328,6 +371,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
                 'no optimizer: pass optimizer= or add an "optimizer" section to train (for inference, call '
                 "infinity.initialize(model=, config=) without one: it gives an InferenceEngine)"
             )
+        _drop_frozen(torch_optimizer, say=self.comm.rank == 0)
         self.stage3: Stage3 | None = None
         self._plan_run(torch_optimizer)  # before anything is written: a run the disk cannot hold fails here
         nvme = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
@@ -399,6 +443,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         )
         self.device = compute_device()
         self.compute_dtype = compute_dtype(self.config)
+        if self.comm.rank == 0:
+            _say_cast(model, self.compute_dtype)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
         fix_heap_policy(policy_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py

@@ -120,23 +120,34 @@ def is_peft_model(model: nn.Module) -> bool:
 
 
 def trained_state_dict(engine, *, keep: bool) -> dict[str, torch.Tensor]:
-    """Collective: the parameters the optimizer updates (a PEFT model's adapters) and the input and output
-    embeddings (PEFT saves them too where the vocabulary was resized or they are targeted: it picks from what it
-    is given), whole, as CPU copies where ``keep`` (the rank that writes), else {}; at stage 3 only their units
-    are gathered (the rest of the frozen base never)."""
+    """Collective: the parameters the optimizer updates (a PEFT model's adapters) from their fp32 masters, what the
+    optimizer trained (a bf16 run's compute weights are rounded copies; the plain Trainer saves fp32 adapters),
+    and the input and output embeddings (PEFT saves them too where the vocabulary was resized or they are
+    targeted: it picks from what it is given), whole, as CPU copies where ``keep`` (the rank that writes), else
+    {}; at stage 3 only the units of untrained embeddings are gathered (the rest of the frozen base never)."""
+    from infinity.partitioned_state import state_of
     from infinity.zero import GatheredParameters
 
     model = engine.module
-    wanted = [p for group in engine.zero_optimizer.groups for p in group]
+    names = {id(p): n for n, p in model.named_parameters()}
+    trained = [p for group in engine.zero_optimizer.groups for p in group if id(p) in names]
+    values = {}
+    for param in trained:
+        master = state_of(param).get(param, None, local=False)  # collective
+        if keep:
+            values[names[id(param)]] = master.to("cpu")
     base = getattr(model, "get_base_model", lambda: model)()
+    embeddings = []
     for get in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(base, get, lambda: None)()
         if module is not None:
-            wanted += list(module.parameters())
-    wanted = list({id(p): p for p in wanted}.values())
-    names = {id(p): n for n, p in model.named_parameters()}
-    with GatheredParameters(wanted):
-        return {names[id(p)]: p.detach().to("cpu", copy=True) for p in wanted if id(p) in names} if keep else {}
+            embeddings += [p for p in module.parameters() if id(p) in names]
+    seen = {id(p) for p in trained}
+    embeddings = [p for p in {id(p): p for p in embeddings}.values() if id(p) not in seen]
+    with GatheredParameters(embeddings):
+        if keep:
+            values.update({names[id(p)]: p.detach().to("cpu", copy=True) for p in embeddings})
+    return values if keep else {}
 
 
 class InfinityTrainer(Trainer):
@@ -168,7 +179,9 @@ class InfinityTrainer(Trainer):
                 f"InfinityTrainer needs InfinityTrainingArguments (with infinity=...), got {type(self.args).__name__}"
             )
         if "trl" in sys.modules:  # a TRL trainer on the engine, however its class was made: TRL's gathers work
-            import infinity.integrations.trl  # noqa: F401  ([Note: TRL's fused head])
+            from infinity.integrations import trl_patches  # ([Note: TRL's fused head])
+
+            trl_patches.install()
         super().create_accelerator_and_postprocess()  # builds Accelerate's, with the Trainer's arguments
         kwargs = dict(self._accelerator_kwargs)
         kwargs.pop("deepspeed_plugin", None)

@@ -72,12 +72,13 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
         assert math.isclose(a, b, rel_tol=REL), f"{what}[{i}]: {a!r} vs {b!r} (all: {got} vs {want})"
 
 
-def accelerate_loop(config: dict | None, *, steps_per_epoch_samples: int = 16, resume_from=None, save_at=None):
+def accelerate_loop(config: dict | None, *, steps_per_epoch_samples: int = 16, resume_from=None, save_at=None,
+                    make_model=None):  # fmt: skip
     """The documented loop over 8 micro-batches (accumulation 2: 4 optimizer steps). ``config`` None: plain
     Accelerator. Returns (losses, grad norms, accelerator, model)."""
     fresh_accelerate_state()
     # No dropout: the resumed loop starts its DataLoader after load_state, which draws from the restored RNG.
-    model = tiny_gpt2(dropout=0.0)
+    model = tiny_gpt2(dropout=0.0) if make_model is None else make_model()
     loader = torch.utils.data.DataLoader(CountingData(steps_per_epoch_samples), batch_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))

@@ -1,11 +1,12 @@
 """The families users fine-tune, each a tiny model built locally from its config under a live stage-3
 HfInfinityConfig (partitioned as it is built, the parameters then on NVMe): three steps on the engine equal plain
-PyTorch AdamW on the same weights (losses within 1e-5 relative). Encoders with a tied, biased MLM head (BERT,
-RoBERTa), decoders (Llama, Mistral, Qwen2, OPT, GPT-2) and encoder-decoders (T5, BART)."""
+PyTorch AdamW on the same weights (losses within 1e-5 relative), at world size 1 and 2. Encoders with a tied,
+biased MLM head (BERT, RoBERTa), decoders (Llama, Mistral, Qwen2, OPT, GPT-2) and encoder-decoders (T5, BART)."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 import infinity  # noqa: E402
 from infinity.integrations.hf_loading import HfInfinityConfig  # noqa: E402
 from infinity.zero import GatheredParameters  # noqa: E402
+from tests.distributed.harness import run_distributed  # noqa: E402
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
              max_position_embeddings=40, vocab_size=64)  # fmt: skip
@@ -42,14 +44,15 @@ FAMILIES = {
 LR = 1e-3
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_tiny_model_of_each_family_trains_at_stage_3_as_plain_pytorch(family, tmp_path):
+def train_both(family: str, nvme, *, rank: int = 0, world_size: int = 1) -> tuple[list[float], list[float]]:
+    """Three steps of the family's tiny model on the engine (built partitioned, its parameters on NVMe) and of
+    plain PyTorch AdamW on the same weights: (engine's losses, plain's losses). At world size 2 each rank trains
+    on its half of the batch and the plain twin on the whole batch (the mean of the halves' mean losses: every
+    token counts), and the losses compared are those of the rank's half."""
     model_config, auto = FAMILIES[family]()
-    (tmp_path / "nvme").mkdir()
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"),
-                                                      "max_in_cpu": 0}}}  # fmt: skip
+    offload = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
+    config = {"train_micro_batch_size_per_gpu": 2 // world_size, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": offload}}
     live = HfInfinityConfig(config)
     torch.manual_seed(0)
     model = auto.from_config(model_config)
@@ -62,17 +65,39 @@ def test_a_tiny_model_of_each_family_trains_at_stage_3_as_plain_pytorch(family, 
     engine, *_ = infinity.initialize(model=model, config=config)
     assert engine.stage3.table.shards.home.value == "nvme"
     ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(1))
+    halves = ids.chunk(world_size)
     got, want = [], []
     for _ in range(3):
-        loss = engine(input_ids=ids, labels=ids).loss
+        mine = halves[rank]
+        loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
         got.append(loss.item())
-        loss = plain(input_ids=ids, labels=ids).loss
-        loss.backward()
+        losses = [plain(input_ids=half, labels=half).loss for half in halves]
+        (sum(losses) / world_size).backward()
         optimizer.step()
         optimizer.zero_grad()
-        want.append(loss.item())
+        want.append(losses[rank].item())
     engine.destroy()
+    return got, want
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_tiny_model_of_each_family_trains_at_stage_3_as_plain_pytorch(family, tmp_path):
+    (tmp_path / "nvme").mkdir()
+    got, want = train_both(family, tmp_path / "nvme")
     assert got == pytest.approx(want, rel=1e-5), family
     assert got[-1] < got[0]
+
+
+def _every_family(*, rank: int, world_size: int, tmp: str) -> dict:
+    nvme = f"{tmp}/nvme-{rank}"
+    os.makedirs(nvme)
+    return {family: train_both(family, nvme, rank=rank, world_size=world_size) for family in FAMILIES}
+
+
+def test_every_family_at_world_size_2(tmp_path):
+    """The same at world size 2 (gloo, a swap folder per rank), every family in one distributed run."""
+    for result in run_distributed(_every_family, 2, tmp_path, timeout_s=300, tmp=str(tmp_path)):
+        for family, (got, want) in result.items():
+            assert got == pytest.approx(want, rel=1e-5), family
