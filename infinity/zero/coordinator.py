@@ -348,6 +348,29 @@ class Coordinator:
         self._pass.grads_left[unit] -= 1
         self._release_if_backward_done(unit)
 
+    def before_param_grad(self, unit: int) -> None:
+        """A trainable parameter of the unit is about to have its gradient accumulated, which needs the whole
+        parameter (autograd lays the gradient out as the parameter is). A unit released by then, because a custom
+        autograd function took the parameter directly and gathered it itself ([Note: TRL's fused head] in
+        integrations/trl_patches.py), or kept the gradient from the forward, is gathered again on demand; the
+        gradients coming in release it as usual ([Note: release after backward])."""
+        self.table.units[unit].wait()
+        if self.table.units[unit].state is not UnitState.RELEASED:
+            return
+        started = time.perf_counter()
+        self._evict_for(self._numel[unit], keep={unit})
+        self._fetch([unit], [])
+        self.stats.fetches += 1
+        self.stats.on_demand += 1
+        self.stats.blocked_s += time.perf_counter() - started
+
+    def expects_grads(self, unit: int) -> bool:
+        """Inside a backward of this pass, before the unit's gradients are all in: a gather ending now
+        (GatheredParameters inside a custom function's backward) leaves the unit to be released as its
+        gradients arrive, instead of releasing it for them to be fetched again."""
+        return (self.in_pass and self._pass.grad_mode and torch._C._current_graph_task_id() != -1
+                and self._pass.grads_left[unit] > 0)  # fmt: skip
+
     def _module_backward_done(self, pass_number: int, units: tuple[int, ...]) -> None:
         if pass_number != self._pass_number or not self.in_pass:
             return  # a pass that ended without its backward

@@ -205,7 +205,7 @@ class Stage3:
                 self.table.shards.store(index, unit.full[start:end])
                 if self.on_piece_edited is not None:
                     self.on_piece_edited(unit, before)
-            if release:
+            if release and not self.coordinator.expects_grads(index):
                 self.coordinator.release_now(index)
 
     # ---- DeepSpeed's register_external_parameter ----
@@ -306,6 +306,10 @@ def _bound_pool(table: UnitTable, knobs: Knobs) -> None:
 # are removed when the pass ends; the heap then stays flat.
 
 
+def _before_grad(coordinator: Coordinator, unit: int, grad: torch.Tensor) -> None:
+    coordinator.before_param_grad(unit)
+
+
 def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:
     fetch_on_use = _FetchOnUse(table, coordinator)
     entered: list[bool] = []  # whether the mode was entered by the running root forward
@@ -344,6 +348,11 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
         return output
 
     handles = []
+    for unit in table.units:  # before accumulation, a released unit is gathered again (Coordinator.before_param_grad)
+        if not unit.persistent:
+            for param in unit.params:
+                if param.requires_grad:
+                    handles.append(param.register_hook(functools.partial(_before_grad, coordinator, unit.index)))
     for index, module in enumerate(table.modules):
         handles.append(module.register_forward_pre_hook(functools.partial(pre_forward, index), with_kwargs=True))
         handles.append(module.register_forward_hook(functools.partial(post_forward, index), always_call=True))

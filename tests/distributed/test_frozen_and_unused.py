@@ -115,6 +115,59 @@ def mix_through_containers(params: dict, h: torch.Tensor) -> torch.Tensor:
     return torch.tanh(F.linear(h, weight, bias)) * torch.sigmoid(h @ gate.t())
 
 
+class _ProjectGathered(torch.autograd.Function):
+    """h @ w.T with ``w`` handed in directly: the caller gathers it around apply() and the backward gathers it
+    again, as TRL's fused LM head does (the engine sees no torch call on the parameter before the function reads
+    it)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, w = ctx.saved_tensors
+        with infinity.zero.GatheredParameters([w]):
+            return grad @ w, grad.t() @ h
+
+
+class _ScoreStashed(torch.autograd.Function):
+    """sum(w * target), its gradient taken in the forward and only scaled in the backward, as fused losses do: the
+    weight's gradient arrives while its unit is released. (A function of the weight alone: every rank adds the
+    same score, so the data-parallel mean is the plain run's.)"""
+
+    @staticmethod
+    def forward(ctx, w, target):
+        ctx.stashed = target.to(w.dtype)
+        return (w * ctx.stashed).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.stashed, None
+
+
+class CustomFunctions(nn.Module):
+    """Children's weights handed to custom autograd functions, gathered around the call, without calling the
+    children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 32, bias=False)
+        self.side = nn.Linear(32, 8, bias=False)
+        self.out = nn.Linear(32, 4)
+        self.register_buffer("target", torch.linspace(-1, 1, 8 * 32).view(8, 32))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        with infinity.zero.GatheredParameters([self.head.weight]):
+            h = torch.tanh(_ProjectGathered.apply(h, self.head.weight))
+        with infinity.zero.GatheredParameters([self.side.weight]):
+            score = _ScoreStashed.apply(self.side.weight, self.target)
+        return self.out(h) + 0.01 * score
+
+
 class UnusedLast(nn.Module):
     """Eight used layers, then one never called, registered last: its bucket is the first one reduced."""
 
@@ -151,6 +204,8 @@ def build(name: str) -> nn.Module:
         return Containers()
     if name == "unused":
         return UnusedLast()
+    if name == "custom-functions":
+        return CustomFunctions()
     raise ValueError(name)
 
 
@@ -258,10 +313,12 @@ def assert_matches(result: dict, ref_losses: list[float], ref_params: dict, rtol
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", ["scaled-frozen", "scaled-frozen-reentrant", "lora", "containers", "inplace-input"])
+@pytest.mark.parametrize("name", ["scaled-frozen", "scaled-frozen-reentrant", "lora", "containers", "inplace-input",
+                                  "custom-functions"])  # fmt: skip
 def test_stage3_matches_plain_pytorch(name, world_size, tmp_path):
     """Frozen and trainable parameters in one unit (also under reentrant checkpointing); units of frozen
-    parameters only; parameters used through containers; a module editing its input in place. Losses and
+    parameters only; parameters used through containers; a module editing its input in place; weights handed to
+    custom autograd functions that gather them themselves (one stashing its gradient in the forward). Losses and
     parameters (trainable and frozen) equal plain PyTorch's."""
     results = run_distributed(_engine_run, world_size, tmp_path, timeout_s=180, name=name, config=config(3))
     ref_losses, ref_params = reference(name, world_size)
