@@ -4,8 +4,8 @@ relative (SFT's loss, entropy and token accuracy; DPO's loss, rewards and log-pr
 within 1e-5 (5e-5 absolute: WEIGHTS_ATOL). Both go through TRL's fused LM head, which reads the (tied) head weight
 directly inside a custom autograd function, forward and backward. DPO's reference model becomes a partitioned
 inference engine at stage 3 with its pieces on NVMe, and is blended into by sync_ref_model; with LoRA the
-reference is the base with the adapters off. The world-size-2 run trains both, plain and infinity, in each of two
-gloo ranks."""
+reference is the base with the adapters off. GRPO (a pair made by infinity_trainer) generates with the stage-3
+model and trains. The world-size-2 run trains SFT and DPO, plain and infinity, in each of two gloo ranks."""
 
 from __future__ import annotations
 
@@ -207,3 +207,40 @@ def test_world_size_2(tmp_path):
             assert got_weights.keys() == want_weights.keys()
             for key, value in want_weights.items():
                 torch.testing.assert_close(got_weights[key], value, rtol=REL, atol=WEIGHTS_ATOL, msg=f"{name}: {key}")
+
+
+def letters_said(completions, **_) -> list[float]:
+    """A reward the tiny model can move: how many letters its completion says (most of its vocabulary is not in
+    the tokenizer's and decodes to nothing)."""
+    return [float(len(completion)) for completion in completions]
+
+
+def test_grpo_generates_and_trains_as_trl(tmp_path):
+    """TRL's GRPOTrainer, made by infinity_trainer (no ready-made pair): each step generates 4 completions per
+    prompt with the stage-3 model on NVMe, scores them and trains; losses, rewards and trained weights equal
+    TRL's on the plain Trainer."""
+    trainer_class, config_class = infinity_trainer(trl.GRPOTrainer, trl.GRPOConfig)
+    data = datasets.Dataset.from_dict({"prompt": [letters(s, 3) for s in range(8)]})
+    kwargs = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-2,
+                  max_steps=3, logging_steps=1, report_to=[], seed=0, save_strategy="no", disable_tqdm=True,
+                  use_cpu=True, bf16=False)  # fmt: skip
+    runs, trained = [], []
+    for name in ("plain", "infinity"):
+        common = {"model": tiny_gpt2(dropout=0.0), "reward_funcs": letters_said, "train_dataset": data,
+                  "processing_class": tokenizer()}  # fmt: skip
+        if name == "plain":
+            trainer = trl.GRPOTrainer(args=trl.GRPOConfig(output_dir=str(tmp_path / name), **kwargs), **common)
+        else:
+            args = config_class(infinity=nvme_stage3(tmp_path / "nvme"), output_dir=str(tmp_path / name), **kwargs)
+            trainer = trainer_class(args=args, **common)
+        trainer.train()
+        runs.append(logged(trainer, ("loss", "reward")))
+        trained.append(weights(trainer))
+    assert len(runs[1]) == len(runs[0]) == 3 and any(reward > 0 for _, reward in runs[0]), runs
+    for got, want in zip(runs[1], runs[0], strict=True):
+        assert got == pytest.approx(want, rel=REL, abs=1e-6), runs
+    start = tiny_gpt2(dropout=0.0).state_dict()
+    assert any(not torch.equal(value, start[name]) for name, value in trained[0].items())  # it learned something
+    for name, value in trained[0].items():
+        torch.testing.assert_close(trained[1][name], value, rtol=REL, atol=WEIGHTS_ATOL, msg=name)
+    destroy(trainer)
