@@ -107,7 +107,7 @@ class InferenceEngine(Engine):
         try:
             self.stage3 = setup_stage3(
                 self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype, device=self.device,
-                make_shards=self._make_shards(run_id),
+                make_shards=self._make_shards(run_id), training=False,
             )  # fmt: skip
             self._keep_generate_in_step()
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole)

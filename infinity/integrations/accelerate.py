@@ -336,6 +336,9 @@ class InfinityAccelerator(Accelerator):
 
         if isinstance(model, InferenceEngine):
             return model
+        for engine in self.reference_engines:  # prepared already (TRL prepares once; a second call gets the same)
+            if model is engine.module:
+                return engine
         check_model_free(model)
         config = dict(self.infinity_config)
         if self.finalize_config is not None:

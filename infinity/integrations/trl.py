@@ -26,7 +26,6 @@ import dataclasses
 from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
 
 try:
-    import trl
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 except ImportError as missing:  # pragma: no cover - the hf extra brings trl
     raise ImportError(
@@ -40,11 +39,20 @@ trl_patches.install()
 
 def infinity_trainer(trainer_class: type, config_class: type) -> tuple[type, type]:
     """A Trainer subclass and its arguments class, on the engine: (Infinity<Trainer>, Infinity<Config>), each the
-    infinity class first in its bases, so the subclass's own overrides run on top of the engine's."""
-    bases = (InfinityTrainingArguments, config_class)
-    config = dataclasses.dataclass(type(f"Infinity{config_class.__name__}", bases, {"__module__": __name__}))
-    trainer = type(f"Infinity{trainer_class.__name__}", (InfinityTrainer, trainer_class), {"__module__": __name__})
-    return trainer, config
+    infinity class first in its bases, so the subclass's own overrides run on top of the engine's. Both are made
+    once and kept in this module under their names, so pickle finds them (the Trainer saves its arguments with
+    every checkpoint)."""
+    made = []
+    for base, ours in ((trainer_class, InfinityTrainer), (config_class, InfinityTrainingArguments)):
+        name = f"Infinity{base.__name__}"
+        existing = globals().get(name)
+        if existing is None or existing.__bases__ != (ours, base):
+            existing = type(name, (ours, base), {"__module__": __name__, "__qualname__": name})
+            if ours is InfinityTrainingArguments:
+                existing = dataclasses.dataclass(existing)
+            globals()[name] = existing
+        made.append(existing)
+    return made[0], made[1]
 
 
 @dataclasses.dataclass
@@ -66,5 +74,4 @@ class InfinityDPOTrainer(InfinityTrainer, DPOTrainer):
     stage 3, as TRL makes it a DeepSpeed inference engine."""
 
 
-__all__ = ["InfinityDPOConfig", "InfinityDPOTrainer", "InfinitySFTConfig", "InfinitySFTTrainer", "infinity_trainer",
-           "trl"]  # fmt: skip
+__all__ = ["InfinityDPOConfig", "InfinityDPOTrainer", "InfinitySFTConfig", "InfinitySFTTrainer", "infinity_trainer"]

@@ -6,6 +6,7 @@ imports the Trainer classes, so that transformers.py can install these without a
 from __future__ import annotations
 
 import functools
+import sys
 
 from torch import nn
 from trl.trainer import callbacks as trl_callbacks
@@ -21,9 +22,12 @@ from trl.trainer import utils as trl_utils
 
 
 def _partitioned_by_infinity(param) -> bool:
+    """A stage-3 parameter of a live engine's, or one zero.Init partitioned before any engine (a model loaded
+    partitioned and evaluated before train())."""
+    from infinity.zero.init import init_shard
     from infinity.zero.units import stage3_runtime
 
-    return isinstance(param, nn.Parameter) and stage3_runtime(param) is not None
+    return isinstance(param, nn.Parameter) and (stage3_runtime(param) is not None or init_shard(param) is not None)
 
 
 def _gather_lm_head(original, *params):
@@ -38,13 +42,21 @@ def _gather_lm_head(original, *params):
 
 
 def _install_fused_head_gather() -> None:
-    current = trl_utils.maybe_gather_lm_head_ctx
-    if getattr(current, "__infinity__", False):
-        return
-    wrapper = functools.wraps(current)(functools.partial(_gather_lm_head, current))
-    wrapper.__infinity__ = True
-    trl_utils.maybe_gather_lm_head_ctx = wrapper  # the kernel's backward imports it from here at call time
-
+    """trl.trainer.utils' helper replaced (its own fused forward and the log-prob kernel's backward look it up
+    there at call time), and any TRL module that imported it by name already (the distillation kernel imports it
+    once, when first imported) pointed at the wrapper; a module imported later takes the wrapper from utils."""
+    original = trl_utils.maybe_gather_lm_head_ctx
+    if getattr(original, "__infinity__", False):
+        original = original.__wrapped_original__
+        wrapper = trl_utils.maybe_gather_lm_head_ctx
+    else:
+        wrapper = functools.wraps(original)(functools.partial(_gather_lm_head, original))
+        wrapper.__infinity__ = True
+        wrapper.__wrapped_original__ = original
+        trl_utils.maybe_gather_lm_head_ctx = wrapper
+    for name, module in list(sys.modules.items()):
+        if name.startswith("trl.") and getattr(module, "maybe_gather_lm_head_ctx", None) is original:
+            module.maybe_gather_lm_head_ctx = wrapper
 
 
 def _sync_target_model(original, model, target_model, alpha):
@@ -78,7 +90,8 @@ def _install_ref_sync() -> None:
 
 
 def install() -> None:
-    """Both wrappers, once per process."""
-    _install_fused_head_gather()
+    """Both wrappers (again where TRL modules were imported since: they are pointed at them too). A TRL without
+    the fused head (before 1.16) has nothing to wrap there."""
+    if hasattr(trl_utils, "maybe_gather_lm_head_ctx"):
+        _install_fused_head_gather()
     _install_ref_sync()
-

@@ -371,6 +371,12 @@ class Coordinator:
         return (self.in_pass and self._pass.grad_mode and torch._C._current_graph_task_id() != -1
                 and self._pass.grads_left[unit] > 0)  # fmt: skip
 
+    def keep_for_grads(self, unit: int) -> None:
+        """A unit a GatheredParameters gathered inside backward stays for its gradients (expects_grads): it counts
+        as live (max_live, peak) until they release it."""
+        self._resident.add(unit, self._numel[unit])
+        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._resident.live_numel)
+
     def _module_backward_done(self, pass_number: int, units: tuple[int, ...]) -> None:
         if pass_number != self._pass_number or not self.in_pass:
             return  # a pass that ended without its backward

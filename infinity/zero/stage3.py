@@ -205,7 +205,9 @@ class Stage3:
                 self.table.shards.store(index, unit.full[start:end])
                 if self.on_piece_edited is not None:
                     self.on_piece_edited(unit, before)
-            if release and not self.coordinator.expects_grads(index):
+            if release and self.coordinator.expects_grads(index):
+                self.coordinator.keep_for_grads(index)  # released as its gradients arrive, counted as live
+            elif release:
                 self.coordinator.release_now(index)
 
     # ---- DeepSpeed's register_external_parameter ----
@@ -246,8 +248,10 @@ def setup_stage3(
     dtype: torch.dtype,
     device: torch.device,
     make_shards,
+    training: bool = True,
 ) -> Stage3:
     """Partitions the model into units and installs the hooks; the values move in with ``fill_units`` (units.py).
+    ``training``: False for an inference engine (no gradient ever arrives: no hooks for one).
     Fetches get their own groups ([Note: fetch rendezvous] in rendezvous.py): one for the units, and for the
     headers a gloo one where the units travel over NCCL (headers are small host tensors: no device sync)."""
     comm = distributed.comm
@@ -268,7 +272,7 @@ def setup_stage3(
     coordinator = Coordinator(table, fetch, knobs, header_comm=headers)
     coordinator.one_order = not on_gloo  # NCCL: [Note: one collective order] in rendezvous.py
     stage3 = Stage3(
-        table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator),
+        table=table, coordinator=coordinator, handles=_install_hooks(model, table, coordinator, training=training),
         check_call=distributed.check_call, reduce_bucket_numel=zero.reduce_bucket_size,
     )  # fmt: skip
     if not any(not unit.persistent for unit in table.units) and comm.rank == 0:
@@ -310,7 +314,7 @@ def _before_grad(coordinator: Coordinator, unit: int, grad: torch.Tensor) -> Non
     coordinator.before_param_grad(unit)
 
 
-def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator) -> list:
+def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator, *, training: bool) -> list:
     fetch_on_use = _FetchOnUse(table, coordinator)
     entered: list[bool] = []  # whether the mode was entered by the running root forward
     grad_hooks: list = []  # this pass's multi-grad hook handles ([Note: multi-grad hooks])
@@ -349,7 +353,7 @@ def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator)
 
     handles = []
     for unit in table.units:  # before accumulation, a released unit is gathered again (Coordinator.before_param_grad)
-        if not unit.persistent:
+        if training and not unit.persistent:
             for param in unit.params:
                 if param.requires_grad:
                     handles.append(param.register_hook(functools.partial(_before_grad, coordinator, unit.index)))

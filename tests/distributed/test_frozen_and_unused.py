@@ -415,3 +415,27 @@ def test_an_unused_parameter_holds_no_gradient_buffers(stage, world_size, tmp_pa
         assert max(waiting for _, waiting in result["buffer_peaks"]) <= one, (result["buffer_peaks"], one)
         if stage == 2 or world_size == 1:  # stage 3 never blocks in backward to free buffers in flight
             assert max(total for total, _ in result["buffer_peaks"]) <= 3 * one, (result["buffer_peaks"], one)
+
+
+def test_a_gather_inside_backward_keeps_the_unit_for_its_gradients():
+    """_ProjectGathered's backward gathers the head weight itself: the unit stays gathered for the gradient's
+    accumulation (no second fetch: the pre-accumulation check finds it gathered), counts as live, and goes when
+    its gradient is in, as any unit after its backward."""
+    from infinity.zero.units import UnitState
+
+    engine, *_ = infinity.initialize(model=build("custom-functions"), config=config(3))
+    coordinator, table = engine.stage3.coordinator, engine.stage3.table
+    head = table.unit_of(engine.module.head.weight)[0]
+    seen = []
+    original = coordinator.before_param_grad
+    coordinator.before_param_grad = lambda unit: (seen.append((unit, table.units[unit].state)), original(unit))[1]
+    try:
+        for step in range(2):
+            x, y = batch("custom-functions", step, MICRO)
+            engine.backward(F.mse_loss(engine(x), y))
+            assert head.state is UnitState.RELEASED
+            engine.step()
+        assert (head.index, UnitState.GATHERED) in seen and (head.index, UnitState.RELEASED) not in seen, seen
+        assert engine.zero_stats()["peak_live_numel"] >= head.numel
+    finally:
+        engine.destroy()

@@ -1,7 +1,8 @@
 """The families users fine-tune, each a tiny model built locally from its config under a live stage-3
 HfInfinityConfig (partitioned as it is built, the parameters then on NVMe): three steps on the engine equal plain
 PyTorch AdamW on the same weights (losses within 1e-5 relative), at world size 1 and 2. Encoders with a tied,
-biased MLM head (BERT, RoBERTa), decoders (Llama, Mistral, Qwen2, OPT, GPT-2) and encoder-decoders (T5, BART)."""
+biased MLM head (BERT, RoBERTa), decoders (Llama, Mistral, Qwen2, Gemma, OPT, GPT-2), encoder-decoders (T5,
+BART) and a vision transformer (ViT, classifying images)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ FAMILIES = {
     "gpt2": lambda: (T.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=40, vocab_size=64, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None),
                      T.AutoModelForCausalLM),
+    "gemma": lambda: (T.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=16), T.AutoModelForCausalLM),
+    "vit": lambda: (T.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                image_size=16, patch_size=4, num_labels=4, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0), T.AutoModelForImageClassification),
     "t5": lambda: (T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=64, d_kv=16,
                               dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0), T.AutoModelForSeq2SeqLM),
     "bart": lambda: (T.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
@@ -42,6 +47,18 @@ FAMILIES = {
                                   max_position_embeddings=40, dropout=0.0), T.AutoModelForSeq2SeqLM),
 }  # fmt: skip
 LR = 1e-3
+
+
+def batch_halves(family: str, world_size: int) -> list[dict]:
+    """A seeded batch of 2, cut into one part per rank: token ids as their own labels, or (ViT) images of 16 x 16
+    pixels and a class each."""
+    generator = torch.Generator().manual_seed(1)
+    if family == "vit":
+        pixels, labels = torch.randn(2, 3, 16, 16, generator=generator), torch.tensor([1, 3])
+        return [{"pixel_values": p, "labels": y} for p, y in zip(pixels.chunk(world_size), labels.chunk(world_size),
+                                                                  strict=True)]  # fmt: skip
+    ids = torch.randint(3, 60, (2, 8), generator=generator)
+    return [{"input_ids": part, "labels": part} for part in ids.chunk(world_size)]
 
 
 def train_both(family: str, nvme, *, rank: int = 0, world_size: int = 1) -> tuple[list[float], list[float]]:
@@ -64,16 +81,14 @@ def train_both(family: str, nvme, *, rank: int = 0, world_size: int = 1) -> tupl
     optimizer = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=0.0)  # DeepSpeed's AdamW defaults
     engine, *_ = infinity.initialize(model=model, config=config)
     assert engine.stage3.table.shards.home.value == "nvme"
-    ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(1))
-    halves = ids.chunk(world_size)
+    halves = batch_halves(family, world_size)
     got, want = [], []
     for _ in range(3):
-        mine = halves[rank]
-        loss = engine(input_ids=mine, labels=mine).loss
+        loss = engine(**halves[rank]).loss
         engine.backward(loss)
         engine.step()
         got.append(loss.item())
-        losses = [plain(input_ids=half, labels=half).loss for half in halves]
+        losses = [plain(**half).loss for half in halves]
         (sum(losses) / world_size).backward()
         optimizer.step()
         optimizer.zero_grad()

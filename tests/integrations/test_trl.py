@@ -9,14 +9,16 @@ model and trains. The world-size-2 run trains SFT and DPO, plain and infinity, i
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 
 import pytest
 import torch
 
-pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
@@ -155,6 +157,7 @@ def test_dpo_reference_model_is_a_partitioned_inference_engine(sync, tmp_path):
     got = dpo(nvme_stage3(tmp_path / "nvme"), tmp_path / "infinity", **overrides)
     reference = got[0].ref_model
     assert reference in got[0].accelerator.reference_engines and reference.stage3 is not None
+    assert got[0].accelerator.prepare_model(reference.module, evaluation_mode=True) is reference  # prepared once
     assert reference.config.zero.offload_param.device == "nvme"
     assert_same_run(got, want, "DPO")
     if sync:  # the blended reference, gathered, equals TRL's
@@ -174,19 +177,46 @@ def test_dpo_with_lora_takes_the_base_as_reference(tmp_path):
     destroy(got[0])
 
 
-def test_any_trainer_subclass_gets_its_pair():
-    """infinity_trainer builds the engine's pair for a TRL trainer that has no ready-made one."""
-    trainer, config = infinity_trainer(trl.RewardTrainer, trl.RewardConfig)
-    assert trainer.__mro__[1:3] == (InfinitySFTTrainer.__mro__[1], trl.RewardTrainer)
-    assert config.__mro__[1:3] == (InfinitySFTConfig.__mro__[1], trl.RewardConfig)
-    assert trainer.__name__ == "InfinityRewardTrainer" and config.__name__ == "InfinityRewardConfig"
+def kto_data():
+    return datasets.Dataset.from_dict({"prompt": [letters(s, 4) for s in range(16)],
+                                       "completion": [letters(s + 4, 4) if s % 2 else letters(s, 4)[::-1]
+                                                      for s in range(16)],
+                                       "label": [bool(s % 2) for s in range(16)]})  # fmt: skip
+
+
+def test_any_trainer_subclass_gets_its_pair_which_trains_and_saves(tmp_path):
+    """infinity_trainer builds the engine's pair for a TRL trainer without a ready-made one (KTO here): it trains
+    to TRL's losses, and its arguments pickle (the Trainer saves them with the model and every checkpoint)."""
+    trainer_class, config_class = infinity_trainer(trl.KTOTrainer, trl.KTOConfig)
+    assert trainer_class.__mro__[1:3] == (InfinitySFTTrainer.__mro__[1], trl.KTOTrainer)
+    assert config_class.__mro__[1:3] == (InfinitySFTConfig.__mro__[1], trl.KTOConfig)
+    assert infinity_trainer(trl.KTOTrainer, trl.KTOConfig) == (trainer_class, config_class)  # made once
+    runs, sequential = [], {"train_sampling_strategy": "sequential"}  # KTO's KL term pairs neighbours
+    for name in ("plain", "infinity"):
+        common = {"model": tiny_gpt2(dropout=0.0), "ref_model": tiny_gpt2(dropout=0.0), "train_dataset": kto_data(),
+                  "processing_class": tokenizer()}  # fmt: skip
+        if name == "plain":
+            trainer = trl.KTOTrainer(args=trl.KTOConfig(**arguments(tmp_path / name), **sequential), **common)
+        else:
+            args = config_class(infinity=nvme_stage3(tmp_path / "nvme"), **arguments(tmp_path / name), **sequential)
+            trainer = trainer_class(args=args, **common)
+        trainer.train()
+        runs.append([row[0] for row in logged(trainer, ("loss",))])
+    assert len(runs[1]) == 4 and runs[1] == pytest.approx(runs[0], rel=REL)
+    trainer.save_model(tmp_path / "saved")
+    saved = torch.load(tmp_path / "saved" / "training_args.bin", weights_only=False)
+    assert type(saved) is config_class and saved.infinity_config["zero_optimization"]["stage"] == 3
+    destroy(trainer)
 
 
 def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
     # Accelerate's CPU multi-process state reads the launcher's variables (the harness joined the gloo group)
     os.environ.update({"LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
+    sync = {"sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5}
+    recipes = {"sft": sft, "dpo": dpo, "dpo-lora": functools.partial(dpo, adapters=True),
+               "dpo-sync": functools.partial(dpo, **sync)}  # fmt: skip
     runs = {}
-    for name, run in (("sft", sft), ("dpo", dpo)):
+    for name, run in recipes.items():
         plain_trainer, plain_logs = run(None, f"{tmp}/{name}-plain", world_size)
         trainer, logs = run(nvme_stage3(f"{tmp}/nvme-{rank}"), f"{tmp}/{name}-infinity", world_size)
         got = weights(trainer)  # collective; rank 0 keeps the copies
@@ -196,8 +226,9 @@ def _world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
 
 
 def test_world_size_2(tmp_path):
-    """Two gloo ranks, stage 3 with everything on NVMe (a folder per rank): SFT and DPO each equal TRL's run on
-    the plain Trainer (DDP) at the same world size, on every rank."""
+    """Two gloo ranks, stage 3 with everything on NVMe (a folder per rank): SFT, DPO with a reference model,
+    with LoRA and with sync_ref_model each equal TRL's run on the plain Trainer (DDP) at the same world size, on
+    every rank."""
     for result in run_distributed(_world_size_2, 2, tmp_path, timeout_s=300, tmp=str(tmp_path)):
         for name, runs in result.items():
             (got_logs, got_weights), (want_logs, want_weights) = runs["infinity"], runs["plain"]
@@ -216,31 +247,70 @@ def letters_said(completions, **_) -> list[float]:
 
 
 def test_grpo_generates_and_trains_as_trl(tmp_path):
-    """TRL's GRPOTrainer, made by infinity_trainer (no ready-made pair): each step generates 4 completions per
-    prompt with the stage-3 model on NVMe, scores them and trains; losses, rewards and trained weights equal
-    TRL's on the plain Trainer."""
+    """TRL's GRPOTrainer, made by infinity_trainer (no ready-made pair), given the model as a folder (TRL loads it,
+    partitioned as it loads, and its KL reference from the same folder: an inference engine here): each step
+    generates 4 completions per prompt with the stage-3 model on NVMe, scores them and trains; losses, rewards,
+    KL and trained weights equal TRL's on the plain Trainer."""
     trainer_class, config_class = infinity_trainer(trl.GRPOTrainer, trl.GRPOConfig)
+    tiny_gpt2(dropout=0.0).save_pretrained(tmp_path / "model")
     data = datasets.Dataset.from_dict({"prompt": [letters(s, 3) for s in range(8)]})
     kwargs = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=6, learning_rate=1e-2,
-                  max_steps=3, logging_steps=1, report_to=[], seed=0, save_strategy="no", disable_tqdm=True,
+                  max_steps=3, beta=0.1, logging_steps=1, report_to=[], seed=0, save_strategy="no", disable_tqdm=True,
                   use_cpu=True, bf16=False)  # fmt: skip
     runs, trained = [], []
     for name in ("plain", "infinity"):
-        common = {"model": tiny_gpt2(dropout=0.0), "reward_funcs": letters_said, "train_dataset": data,
+        common = {"model": str(tmp_path / "model"), "reward_funcs": letters_said, "train_dataset": data,
                   "processing_class": tokenizer()}  # fmt: skip
         if name == "plain":
             trainer = trl.GRPOTrainer(args=trl.GRPOConfig(output_dir=str(tmp_path / name), **kwargs), **common)
         else:
             args = config_class(infinity=nvme_stage3(tmp_path / "nvme"), output_dir=str(tmp_path / name), **kwargs)
             trainer = trainer_class(args=args, **common)
+            assert trainer.ref_model in trainer.accelerator.reference_engines
         trainer.train()
-        runs.append(logged(trainer, ("loss", "reward")))
+        runs.append(logged(trainer, ("loss", "reward", "kl")))
         trained.append(weights(trainer))
-    assert len(runs[1]) == len(runs[0]) == 3 and any(reward > 0 for _, reward in runs[0]), runs
+    assert len(runs[1]) == len(runs[0]) == 3 and runs[0][-1][2] > 0, runs  # the policy moved away from its reference
     for got, want in zip(runs[1], runs[0], strict=True):
         assert got == pytest.approx(want, rel=REL, abs=1e-6), runs
-    start = tiny_gpt2(dropout=0.0).state_dict()
-    assert any(not torch.equal(value, start[name]) for name, value in trained[0].items())  # it learned something
     for name, value in trained[0].items():
         torch.testing.assert_close(trained[1][name], value, rtol=REL, atol=WEIGHTS_ATOL, msg=name)
     destroy(trainer)
+
+
+def test_evaluate_before_train_on_a_model_partitioned_as_it_loaded(tmp_path):
+    """The arguments made first (their stage-3 config partitions what loads after them), the model loaded from a
+    folder, evaluate() before train(): no engine yet, and TRL's fused head gathers the partitioned head weight
+    itself; the eval metrics equal the plain SFTTrainer's, and so do the losses of the training that follows."""
+    tiny_gpt2(dropout=0.0).save_pretrained(tmp_path / "model")
+    results = []
+    for name in ("plain", "infinity"):
+        if name == "plain":
+            args = trl.SFTConfig(**arguments(tmp_path / name))
+        else:
+            args = InfinitySFTConfig(infinity=nvme_stage3(tmp_path / "nvme"), **arguments(tmp_path / name))
+        model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "model")
+        trainer_class = trl.SFTTrainer if name == "plain" else InfinitySFTTrainer
+        trainer = trainer_class(model=model, args=args, train_dataset=sft_data(), eval_dataset=sft_data(),
+                                processing_class=tokenizer())  # fmt: skip
+        metrics = trainer.evaluate()
+        trainer.train()
+        results.append(([metrics["eval_loss"], metrics["eval_entropy"]], logged(trainer, SFT_METRICS)))
+    (got_eval, got_logs), (want_eval, want_logs) = results[1], results[0]
+    assert all(math.isfinite(v) for v in got_eval) and got_eval == pytest.approx(want_eval, rel=REL)
+    for a, b in zip(got_logs, want_logs, strict=True):
+        assert a == pytest.approx(b, rel=REL, abs=1e-6)
+    destroy(trainer)
+
+
+def test_every_trl_module_that_took_the_gather_helper_gets_the_engines():
+    """TRL's distillation kernel imports maybe_gather_lm_head_ctx by name when it is first imported: installing
+    after that import points it at the engine's gather too, as it does trl.trainer.utils."""
+    import importlib
+
+    from infinity.integrations import trl_patches
+
+    kernel = importlib.import_module("trl.kernels.chunked_divergence")
+    trl_patches.install()
+    assert kernel.maybe_gather_lm_head_ctx is trl.trainer.utils.maybe_gather_lm_head_ctx
+    assert getattr(kernel.maybe_gather_lm_head_ctx, "__infinity__", False)
