@@ -203,28 +203,46 @@ def test_parameters_narrower_than_the_compute_dtype_are_said(caplog):
 
 def _lora_world_size_2(*, rank: int, world_size: int, tmp: str) -> dict:
     from infinity.utils import safe_get_full_fp32_param
+    from tests.integrations.test_accelerator import accelerate_loop
 
     # Accelerate's CPU multi-process state reads the launcher's variables (the harness joined the gloo group)
     os.environ.update({"LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"})
-    plain = run(None, f"{tmp}/plain")
-    config = stage_config(3)
-    os.makedirs(f"{tmp}/nvme-{rank}")
-    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": f"{tmp}/nvme-{rank}"}
-    trainer = run(config, f"{tmp}/infinity")
-    trained = {n: safe_get_full_fp32_param(p) for n, p in trainer.engine.module.named_parameters() if "lora_" in n}
-    trainer.engine.destroy()
-    return {"plain": ([s["loss"] for s in logged_steps(plain)], adapters(plain.model)),
-            "infinity": ([s["loss"] for s in logged_steps(trainer)], trained)}  # fmt: skip
+
+    def trained(engine) -> dict:
+        return {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if "lora_" in n}
+
+    results = {}
+    for name, make_model, extra in (("lora", lora_gpt2, {}), ("bf16-base", bf16_base_lora, {"bf16": True})):
+        plain_args = TrainingArguments(**training_arguments(f"{tmp}/{name}-plain", **extra))
+        plain = Trainer(model=make_model(), args=plain_args, train_dataset=CountingData(32))
+        plain.train()
+        config = stage_config(3)
+        os.makedirs(f"{tmp}/{name}-nvme-{rank}")
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": f"{tmp}/{name}-nvme-{rank}"}
+        args = InfinityTrainingArguments(infinity=config, **training_arguments(f"{tmp}/{name}-infinity", **extra))
+        trainer = InfinityTrainer(model=make_model(), args=args, train_dataset=CountingData(32))
+        trainer.train()
+        results[name] = {"plain": ([s["loss"] for s in logged_steps(plain)], adapters(plain.model)),
+                         "infinity": ([s["loss"] for s in logged_steps(trainer)], trained(trainer.engine))}  # fmt: skip
+        trainer.engine.destroy()
+    want_losses, _, plain_accelerator, plain_model = accelerate_loop(None, make_model=lora_gpt2)
+    losses, _, _, engine = accelerate_loop(stage_config(3), make_model=lora_gpt2)
+    results["accelerate"] = {"plain": (want_losses, adapters(plain_accelerator.unwrap_model(plain_model))),
+                             "infinity": (losses, trained(engine))}  # fmt: skip
+    engine.destroy()
+    return results
 
 
 def test_lora_at_world_size_2(tmp_path):
-    """Two gloo ranks, stage 3 with the base on NVMe (a folder per rank): logged losses and trained adapters equal
-    the plain Trainer + PEFT's (DDP) at the same world size, on both ranks."""
+    """Two gloo ranks, stage 3 with the base on NVMe (a folder per rank): LoRA on the Trainer, the bf16 base with
+    fp32 adapters (bf16=True), and LoRA in Accelerate's loop: logged losses and trained adapters equal the plain
+    Trainer's or Accelerator's (DDP) at the same world size, on both ranks."""
     from tests.distributed.harness import run_distributed
 
-    for result in run_distributed(_lora_world_size_2, 2, tmp_path, timeout_s=180, tmp=str(tmp_path)):
-        (got_losses, got), (want_losses, want) = result["infinity"], result["plain"]
-        assert len(got_losses) == 4 and got_losses == pytest.approx(want_losses, rel=1e-5)
-        assert got.keys() == want.keys()
-        for name, value in want.items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for result in run_distributed(_lora_world_size_2, 2, tmp_path, timeout_s=240, tmp=str(tmp_path)):
+        for name, runs in result.items():
+            (got_losses, got), (want_losses, want) = runs["infinity"], runs["plain"]
+            assert len(got_losses) >= 4 and got_losses == pytest.approx(want_losses, rel=1e-5), name
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
