@@ -42,6 +42,7 @@ from infinity.memory.plan import (
     swap_need,
 )
 from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
+from infinity.zero.compact import STATE_BYTES
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
 
@@ -233,7 +234,9 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         trained = [x for o in owners for x, t in zip(o.numels, o.trainable, strict=True) if t]
         buckets = partition_plan([trained], world_size=n if zero.stage else 1, bucket_numel=zero.reduce_bucket_size)
         layout = LayoutSizes(runs=tuple(b.piece_numel for b in buckets[0].buckets))
-    state_width = 1 + momentum_states if offload_opt.enabled else 0  # master + states
+    state_dtype = config.infinity.optimizer_state_dtype  # [Note: compact states] in zero/compact.py
+    state_bytes = STATE_BYTES[state_dtype]
+    state_width = 1 + momentum_states * state_bytes / 4 if offload_opt.enabled else 0  # master + states, fp32 units
     plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
                      host_share=shape.host_available // shape.local_ranks,
                      gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0)  # fmt: skip
@@ -284,15 +287,16 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
 
     # ---- fp32 masters and optimizer states ----
     if opt_home is Where.NVME:  # tiles [master | states], each segment 4 KiB-aligned
-        rows.append(Row("model states", f"fp32 master weights and optimizer states ({momentum_states} fp32 per "
-                        f"element), tiles of <= {plan.tile_numel:,} elements", Where.NVME, swap.optimizer))  # fmt: skip
+        what = f"fp32 master weights and optimizer states ({momentum_states} {state_dtype} per element)"
+        rows.append(Row("model states", f"{what}, tiles of <= {plan.tile_numel:,} elements", Where.NVME,
+                        swap.optimizer))  # fmt: skip
     else:
         masters_are_weights = width == 4 and not offload_opt.enabled
         if not masters_are_weights:
             rows.append(Row("model states", "fp32 master weights", opt_home, share * 4))
         if momentum_states:
-            rows.append(Row("model states", f"optimizer states ({momentum_states} fp32 per element)", opt_home,
-                            share * 4 * momentum_states))  # fmt: skip
+            rows.append(Row("model states", f"optimizer states ({momentum_states} {state_dtype} per element)",
+                            opt_home, int(share * state_bytes * momentum_states)))  # fmt: skip
 
     # ---- gradients: the reduced fp32 gradient is where the optimizer steps: the compute device, host memory
     # (offloaded: [Note: gradient shards] in zero/gradient_shards.py), or NVMe with the optimizer there at stage 3 ----
@@ -324,7 +328,11 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         tile = min(plan.tile_numel, max(layout.runs, default=0))
         ring_home = _home("cpu", offload_opt.pin_memory, cuda=cuda)
         rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
-                        count * tile * (1 + momentum_states) * 4))  # fmt: skip
+                        int(count * tile * state_width * 4)))  # fmt: skip
+    if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
+        tile = min(plan.tile_numel, max(layout.runs, default=0))
+        rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,
+                        tile * momentum_states * 4))  # fmt: skip
         if grad_on_nvme:
             rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
 

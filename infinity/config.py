@@ -221,6 +221,15 @@ class OffloadParamConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InfinitySection:
+    """The config's "infinity" section: settings DeepSpeed has no key for (DeepSpeed ignores the section)."""
+
+    optimizer_state_dtype: str = "fp32"
+    """How offloaded optimizer states are stored: "fp32", "bf16" or "int8" ([Note: compact states] in
+    zero/compact.py); the fp32 masters stay fp32."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
     """The zero_optimization keys that act here (the README's table lists every DeepSpeed key). The stage-3
     knobs keep their stage3_ names; DeepSpeed's field names for them are read as the same keys."""
@@ -261,6 +270,7 @@ class Config:
     scheduler: SchedulerConfig | None = None
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     aio: AioSettings = field(default_factory=AioSettings)
+    infinity: InfinitySection = field(default_factory=InfinitySection)
 
     @property
     def compute_dtype_name(self) -> str:
@@ -305,7 +315,7 @@ ACCEPTED_NO_EFFECT = {"zero_allow_untested_optimizer", "zero_force_ds_cpu_optimi
 TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "fp16", "bf16", "bfloat16", "optimizer", "scheduler",
-    "zero_optimization", "aio", "collective_timeout",
+    "zero_optimization", "aio", "collective_timeout", "infinity",
 } | OBSERVE_ONLY | NOT_IMPLEMENTED | ACCEPTED_NO_EFFECT  # fmt: skip
 
 # DeepSpeed's deprecated zero_optimization keys, read with one deprecation warning each. cpu_offload_params is
@@ -681,6 +691,7 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
+    infinity = _parse_infinity(raw.get("infinity") or {}, zero)
     return Config(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
@@ -696,4 +707,19 @@ def parse_config(
         scheduler=scheduler,
         zero=zero,
         aio=parse_aio(raw.get("aio")),
+        infinity=infinity,
     )
+
+
+def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig) -> InfinitySection:
+    section = _typed_section(InfinitySection, "infinity", raw)
+    dtypes = ("fp32", "bf16", "int8")  # zero/compact.py's STATE_DTYPES
+    if section.optimizer_state_dtype not in dtypes:
+        raise ConfigError(f"infinity.optimizer_state_dtype must be one of {', '.join(dtypes)}; got "
+                          f"{section.optimizer_state_dtype!r}")  # fmt: skip
+    if section.optimizer_state_dtype != "fp32" and not zero.offload_optimizer.enabled:
+        raise ConfigError(
+            f'infinity.optimizer_state_dtype "{section.optimizer_state_dtype}" stores offloaded optimizer states: '
+            'it needs zero_optimization.offload_optimizer.device "cpu" or "nvme" (set it, or drop the key)'
+        )
+    return section

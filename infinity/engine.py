@@ -53,6 +53,7 @@ from infinity.memory.plan import (
 from infinity.optim import config_optimizer_class
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.bucket_optimizer import ZeroOptimizer
+from infinity.zero.compact import codecs_for
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
 from infinity.zero.optimizer import Offload
@@ -491,8 +492,9 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         width = 0
         if optimizer is not None:
             rule = rule_for(optimizer)  # refuses, at any stage, an optimizer that flat pieces would change
-            if zero.offload_optimizer.enabled:
-                width = 1 + len(rule.states)  # master + states
+            if zero.offload_optimizer.enabled:  # master + states, in fp32 units ([Note: compact states])
+                codecs = codecs_for(self.config.infinity.optimizer_state_dtype, rule.states, type(optimizer).__name__)
+                width = 1 + sum(codec.bytes_per_element for codec in codecs) / 4
         self._planned_units: tuple[tuple[int, int], ...] | None = None
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         layout = self._layout_sizes(optimizer) if self.node.paths else None
@@ -601,6 +603,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             pipeline_read=spec.pipeline_read or not nvme,  # host homes: nothing to pipeline
             pipeline_write=spec.pipeline_write or not nvme,
             gradients=gradient_tier(zero, self.config.aio, **where),
+            state_dtype=self.config.infinity.optimizer_state_dtype,
         )
 
     def _tier_managers(self) -> dict:

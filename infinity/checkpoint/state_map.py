@@ -290,12 +290,13 @@ class StateMap:
                     segment = handle.wait()
                     if overwrite:
                         segment.zero_()  # a ring buffer holds another tile's values: its padding must not keep them
-                    n = tile.numel
-                    width = 0 if tiled.masters is not None else 1
-                    master = None if tiled.masters is not None else segment[:n]
-                    states = {name: segment[(width + k) * n : (width + k + 1) * n]
-                              for k, name in enumerate(tiled.rule.states)}  # fmt: skip
-                    yield Block(tile.start, n, master, states if with_states else {}, transient=handle.in_ring)
+                    master = None if tiled.masters is not None else tiled._master(tile, segment)
+                    values = tiled.states_of(tile, segment) if with_states or overwrite else []
+                    states = dict(zip(tiled.rule.states, values, strict=True)) if values else {}
+                    yield Block(tile.start, tile.numel, master, states if with_states else {},
+                                transient=handle.in_ring)  # fmt: skip
+                    if values and (dirty or overwrite):
+                        tiled.store_states(tile, segment, values)  # compact states: encoded back
                 finally:
                     manager.release(handle, dirty=dirty)
         finally:

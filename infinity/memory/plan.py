@@ -35,6 +35,7 @@ INIT_DISK_RESERVE of its size free (``check_init_piece``).
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Iterable, Sequence
@@ -62,6 +63,9 @@ STAGING_PART = 16  # each staging ring, the outsized pieces' cache and a checkpo
 CHECKPOINT_IO_BYTES = 512 << 20  # the most a save or load has queued to the disk per rank
 INIT_DISK_RESERVE = 0.10  # zero.Init, which cannot know the model's size, never leaves less free than this
 HOST_MEMORY_ENV = "INFINITY_HOST_MEMORY_BYTES"  # plan with at most this much of the node's memory
+
+
+COMPACT_TILE_SLACK = 16  # bytes: the scales of a compact tile's partial last blocks (4 per state, 3 states at most)
 
 
 def round_up(nbytes: int, align: int = NVME_ALIGN) -> int:
@@ -191,10 +195,11 @@ class Plan:
         return min(zero.offload_param.max_in_cpu, self.host_cache_bytes // itemsize)
 
 
-def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: int,
+def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: float,
               gradient_bytes: int = 0) -> Plan:  # fmt: skip
     """The sizes of a run. ``state_width``: fp32 tensors per element of an optimizer tile (master + optimizer
-    states); 0 without optimizer. ``gradient_bytes``: the rank's reduced fp32 gradient (stage 3), which stays in
+    states; fractional where the states are compact, [Note: compact states] in zero/compact.py); 0 without
+    optimizer. ``gradient_bytes``: the rank's reduced fp32 gradient (stage 3), which stays in
     host memory when a quarter of the share holds it, as at stages 1-2, and goes to NVMe with the optimizer
     otherwise (its ring is as deep as the tiles'). In memory it moves no bytes through the disk: on NVMe it is
     written by backward and read by the step, 8 of the ~36 bytes a parameter moves per step."""
@@ -205,7 +210,7 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
     tile = zero.sub_group_size
     if on_nvme:
         width = state_width + gradients_on_nvme
-        cap = max(staging // (optimizer_buffers * width * 4), MIN_TILE_NUMEL)
+        cap = max(int(staging // (optimizer_buffers * width * 4)), MIN_TILE_NUMEL)
         tile = min(tile, cap)
     tile = max(tile // TILE_MULTIPLE * TILE_MULTIPLE, TILE_MULTIPLE)
     return Plan(
@@ -319,7 +324,7 @@ class SwapNeed:
         return ", ".join(f"{what} {_human(n)}" for what, n in parts)
 
 
-def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width: int,
+def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width: float,
               param_itemsize: int) -> SwapNeed:  # fmt: skip
     """Every segment of the rank's swap files, 4 KiB-aligned as the store lays them out: parameter pieces not kept
     in host memory, the optimizer's tiles [master | states] (``state_width`` fp32 each) and the gradient's where the
@@ -337,7 +342,9 @@ def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width:
     optimizer = gradients = 0
     if opt.device == "nvme":
         tiles = tile_numels(layout.runs, plan.tile_numel)
-        optimizer = sum(round_up(n * state_width * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
+        # + COMPACT_TILE_SLACK: a compact tile's partial last block has a scale of its own ([Note: compact states])
+        optimizer = sum(round_up(math.ceil(n * state_width * 4) + COMPACT_TILE_SLACK * (state_width % 1 > 0))
+                        for n in tiles) + layout.more_runs * NVME_ALIGN  # fmt: skip
         if plan.gradients_on_nvme:
             gradients = sum(round_up(n * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
     return SwapNeed(parameters=parameters, optimizer=optimizer, gradients=gradients, init=init,

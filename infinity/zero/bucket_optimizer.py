@@ -212,6 +212,9 @@ class ZeroOptimizer(PartitionedOptimizer):
         reducer = self.reducer
 
         def hook(param: torch.Tensor) -> None:
+            if param.grad is None:  # a custom function returned None for it: no gradient this backward
+                reducer.on_no_grad(state_index)
+                return
             reducer.on_grad(state_index, offset, param.grad)
             param.grad = None  # its values live in the fp32 bucket buffer now
 

@@ -23,6 +23,7 @@ from torch import nn
 from infinity.comm import Comm
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero import collectives
+from infinity.zero.compact import codecs_for
 from infinity.zero.elementwise import run_step_hooks, seed_states
 from infinity.zero.gradient_shards import GradientShards, gradient_device
 from infinity.zero.grads import piece_squares
@@ -41,6 +42,7 @@ class Offload:
     pipeline_read: bool
     pipeline_write: bool
     gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
+    state_dtype: str = "fp32"  # how the tiles store the states ([Note: compact states] in compact.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,7 @@ class PartitionedOptimizer:
             grads=self._tile_grad, weights=self._tile_weight, groups=len(optimizer.param_groups),
             pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write, masters=masters,
+            codecs=codecs_for(offload.state_dtype, rule.states, type(optimizer).__name__),
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters

@@ -31,6 +31,7 @@ from torch.optim import adam, sgd
 
 from infinity.errors import ConfigError
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
+from infinity.zero.compact import StateCodec
 from infinity.zero.elementwise import ElementwiseStep, GroupStart
 
 
@@ -141,10 +142,12 @@ class TiledStep:
         pipeline_write: bool = True,
         gradients=None,
         masters: Callable[[Tile], torch.Tensor] | None = None,
+        codecs: Sequence[StateCodec] | None = None,
     ) -> None:
         """``gradients``: a SwappedGradients (grads.py) when the gradient is on NVMe too; it is read ahead with
         the tiles, and ``grads`` is not used. ``masters``: where the tile's fp32 master already lives, when the
-        weights are fp32 in memory (the master is the weight: no copy, and the segment holds only the states)."""
+        weights are fp32 in memory (the master is the weight: no copy, and the segment holds only the states).
+        ``codecs``: how each state is stored ([Note: compact states] in compact.py); None or all fp32: as is."""
         self.tiles = tiles
         self.gradients = gradients
         self.masters = masters
@@ -156,9 +159,20 @@ class TiledStep:
         self.pipeline_write = pipeline_write
         self.steps = [0] * groups  # optimizer steps taken, per param group
         self.params: list[torch.nn.Parameter] = []  # rule without update: the masters as the optimizer's params
-        self.width = (0 if masters else 1) + len(rule.states)  # fp32 tensors per element in a segment
-        for tile in tiles:
-            manager.add(tile.name, tile.numel * self.width, home)
+        compact = codecs is not None and any(codec.name != "fp32" for codec in codecs)
+        self.codecs: list[StateCodec] | None = list(codecs) if compact else None
+        if self.codecs is None:
+            self.width = (0 if masters else 1) + len(rule.states)  # fp32 tensors per element in a segment
+            for tile in tiles:
+                manager.add(tile.name, tile.numel * self.width, home)
+        else:
+            if rule.update is None:
+                raise ConfigError("compact optimizer states need the optimizer offloaded (its step runs on tiles)")
+            self.width = (0 if masters else 1) + sum(codec.bytes_per_element for codec in self.codecs) / 4
+            for tile in tiles:
+                manager.add(tile.name, self._segment_bytes(tile.numel), home, torch.uint8)
+            widest = max((tile.numel for tile in tiles), default=0)
+            self._decoded = torch.empty(len(self.codecs) * widest)  # the states of the tile stepping, in fp32
 
         manager.open()
         self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
@@ -168,22 +182,57 @@ class TiledStep:
         """The tile's first value: ``master`` (fp32, its elements) and zero states."""
 
         def fill(segment: torch.Tensor) -> None:
+            segment.zero_()  # zero states (compact ones too: zero bytes decode to zero)
             if self.masters is None:
-                segment[: tile.numel].copy_(master)
-                segment[tile.numel :].zero_()
-            else:  # the master is the weight, which has its value already
-                segment.zero_()
+                self._master(tile, segment).copy_(master)
 
         self.manager.initialize(tile.name, fill)
 
     def tiles_of(self, group: int, piece: int) -> list[Tile]:
         return [t for t in self.tiles if t.group == group and t.piece == piece]
 
-    def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        n = tile.numel
+    # ---- a segment's layout: [master | states], fp32, or the master's 4 bytes then each state's stored bytes ----
+    def _segment_bytes(self, numel: int) -> int:
+        return (0 if self.masters else 4 * numel) + sum(codec.stored_bytes(numel) for codec in self.codecs)
+
+    def _master(self, tile: Tile, segment: torch.Tensor) -> torch.Tensor:
         if self.masters is not None:
-            return self.masters(tile), [segment[k * n : (k + 1) * n] for k in range(len(self.rule.states))]
-        return segment[:n], [segment[(k + 1) * n : (k + 2) * n] for k in range(len(self.rule.states))]
+            return self.masters(tile)
+        if self.codecs is None:
+            return segment[: tile.numel]
+        return segment[: 4 * tile.numel].view(torch.float32)
+
+    def _stored_states(self, tile: Tile, segment: torch.Tensor) -> list[torch.Tensor]:
+        """Compact: each state's bytes within the segment."""
+        start = 0 if self.masters else 4 * tile.numel
+        parts = []
+        for codec in self.codecs:
+            size = codec.stored_bytes(tile.numel)
+            parts.append(segment[start : start + size])
+            start += size
+        return parts
+
+    def states_of(self, tile: Tile, segment: torch.Tensor) -> list[torch.Tensor]:
+        """The tile's states in fp32: views of the segment, or (compact) decoded into the step's workspace, which
+        ``store_states`` writes back; valid until the next tile's states are taken."""
+        n = tile.numel
+        if self.codecs is None:
+            first = 0 if self.masters is not None else 1
+            return [segment[(first + k) * n : (first + k + 1) * n] for k in range(len(self.rule.states))]
+        decoded = [self._decoded[k * n : (k + 1) * n] for k in range(len(self.codecs))]
+        for codec, stored, out in zip(self.codecs, self._stored_states(tile, segment), decoded, strict=True):
+            codec.decode(stored, out)
+        return decoded
+
+    def store_states(self, tile: Tile, segment: torch.Tensor, states: list[torch.Tensor]) -> None:
+        """Compact: ``states`` (from states_of, updated) encoded back into the segment; views need nothing."""
+        if self.codecs is None:
+            return
+        for codec, stored, values in zip(self.codecs, self._stored_states(tile, segment), states, strict=True):
+            codec.encode(values, stored)
+
+    def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self._master(tile, segment), self.states_of(tile, segment)
 
     def prefetch(self) -> None:
         """Start reading the first tiles (as many as free buffers allow, never blocking)."""
@@ -206,7 +255,7 @@ class TiledStep:
 
     def as_parameters(self) -> list[torch.nn.Parameter]:
         """For a rule without update: each tile's master as a parameter sharing its memory (homes in memory)."""
-        self.params = [torch.nn.Parameter(self._views(t, self.manager.acquire(t.name).tensor)[0]) for t in self.tiles]
+        self.params = [torch.nn.Parameter(self._master(t, self.manager.acquire(t.name).tensor)) for t in self.tiles]
         return self.params
 
     def step(self, param_groups: list[dict], on_tile: Callable[[Tile], None] | None = None, optimizer=None, *,
@@ -236,6 +285,7 @@ class TiledStep:
                 grad = self.grads(tile)
                 grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
+            self.store_states(tile, segment, states)
             if self.masters is None:
                 self.weights(tile).copy_(master)
             self.manager.release(handle, dirty=True)
@@ -277,7 +327,7 @@ class TiledStep:
         for tile in self.tiles if tiles is None else tiles:
             handle = self.manager.acquire(tile.name)
             try:
-                fn(tile, self._views(tile, handle.wait())[0])
+                fn(tile, self._master(tile, handle.wait()))
             finally:
                 self.manager.release(handle, dirty=dirty)
         self.manager.flush()
@@ -295,6 +345,8 @@ class TiledStep:
         self._grads_ahead.clear()
 
     def state_bytes(self) -> int:
+        if self.codecs is not None:
+            return sum(self._segment_bytes(tile.numel) for tile in self.tiles)
         return sum(tile.numel * self.width * 4 for tile in self.tiles)
 
     def close(self) -> None:

@@ -122,8 +122,11 @@ class UnitOptimizer(PartitionedOptimizer):
         reducer = self.reducer
 
         def hook(param: torch.Tensor) -> None:
-            reducer.on_grad(unit_index, offset, param.grad)
-            param.grad = None
+            if param.grad is None:  # a custom function returned None for it: no gradient this backward
+                reducer.on_no_grad(unit_index)
+            else:
+                reducer.on_grad(unit_index, offset, param.grad)
+                param.grad = None
             on_param_grad(unit_index)
 
         return hook

@@ -147,6 +147,22 @@ class _ScoreStashed(torch.autograd.Function):
         return grad * ctx.stashed, None
 
 
+class _NoWeightGradient(torch.autograd.Function):
+    """h @ w.T whose backward gives ``w`` no gradient (returns None for it), as a function that treats a weight as
+    a constant does: the parameter is left as plain PyTorch leaves it."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(w)
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (w,) = ctx.saved_tensors
+        with infinity.zero.GatheredParameters([w]):
+            return grad @ w, None
+
+
 class CustomFunctions(nn.Module):
     """Children's weights handed to custom autograd functions, gathered around the call, without calling the
     children."""
@@ -156,6 +172,7 @@ class CustomFunctions(nn.Module):
         self.inp = nn.Linear(16, 32)
         self.head = nn.Linear(32, 32, bias=False)
         self.side = nn.Linear(32, 8, bias=False)
+        self.constant = nn.Linear(32, 32, bias=False)  # its function gives it no gradient
         self.out = nn.Linear(32, 4)
         self.register_buffer("target", torch.linspace(-1, 1, 8 * 32).view(8, 32))
 
@@ -165,6 +182,8 @@ class CustomFunctions(nn.Module):
             h = torch.tanh(_ProjectGathered.apply(h, self.head.weight))
         with infinity.zero.GatheredParameters([self.side.weight]):
             score = _ScoreStashed.apply(self.side.weight, self.target)
+        with infinity.zero.GatheredParameters([self.constant.weight]):
+            h = torch.tanh(_NoWeightGradient.apply(h, self.constant.weight))
         return self.out(h) + 0.01 * score
 
 
@@ -318,7 +337,8 @@ def assert_matches(result: dict, ref_losses: list[float], ref_params: dict, rtol
 def test_stage3_matches_plain_pytorch(name, world_size, tmp_path):
     """Frozen and trainable parameters in one unit (also under reentrant checkpointing); units of frozen
     parameters only; parameters used through containers; a module editing its input in place; weights handed to
-    custom autograd functions that gather them themselves (one stashing its gradient in the forward). Losses and
+    custom autograd functions that gather them themselves (one stashing its gradient in the forward, one giving
+its weight none). Losses and
     parameters (trainable and frozen) equal plain PyTorch's."""
     results = run_distributed(_engine_run, world_size, tmp_path, timeout_s=180, name=name, config=config(3))
     ref_losses, ref_params = reference(name, world_size)

@@ -1,0 +1,142 @@
+"""Compact optimizer states: how an offloaded tile's states are stored, and turned back into fp32 for the step.
+
+[Note: compact states]
+An offloaded tile is [master | state 1 | state 2 ...] ([Note: tiles] in tiles.py). With the config's
+``"infinity": {"optimizer_state_dtype": ...}`` the states (not the master) are stored narrower:
+- "fp32": as they are (4 bytes an element), the default;
+- "bf16": rounded to bfloat16 (2 bytes), any elementwise optimizer;
+- "int8": one byte an element plus an fp32 scale per block of BLOCK elements (1.0625 bytes), for Adam and AdamW
+  only: blockwise quantization, as 8-bit Adam does (bitsandbytes, torchao), each block divided by its largest
+  magnitude and each element replaced by the nearest (in ratio) of 256 codes spaced evenly in log scale, so small values
+  keep their relative precision (a linear code would zero most of the second moment: squared gradients span
+  many decades). The first moment takes a signed code, the second an unsigned one over twice the decades.
+The master stays fp32: the update is computed in fp32 on decoded states (a workspace the step reuses), and only
+what is stored is rounded. Adam with int8 states stores 6.125 bytes an element instead of 12.
+
+Tiles are cut at multiples of 64 elements (tiles.cut), so with BLOCK = 64 only a run's last tile ends in a partial
+block, which takes one more scale (the plan's estimate, bytes_per_element, leaves room for it: memory/plan.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infinity.errors import ConfigError
+
+BLOCK = 64  # elements per int8 scale; tiles are cut at multiples of it (tiles.SIMD_NUMEL)
+STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # stored bytes per element (whole blocks)
+INT8_RULES = {"exp_avg": "signed", "exp_avg_sq": "unsigned", "max_exp_avg_sq": "unsigned"}  # Adam's states
+_SIGNED_DECADES = 5  # the signed code spans magnitudes 1e-5..1 of the block's largest
+_UNSIGNED_DECADES = 10  # the second moment, a square: twice as many
+
+
+def _log_codes(*, signed: bool) -> torch.Tensor:
+    """256 sorted codes in [-1, 1] (signed) or [0, 1]: zero and magnitudes spaced evenly in log scale."""
+    if signed:
+        magnitudes = torch.logspace(-_SIGNED_DECADES, 0, 127, dtype=torch.float64)
+        codes = torch.cat([-magnitudes.flip(0), torch.zeros(1, dtype=torch.float64), magnitudes,
+                           torch.ones(1, dtype=torch.float64)])  # fmt: skip  (the last, a repeat of 1, is unused)
+    else:
+        magnitudes = torch.logspace(-_UNSIGNED_DECADES, 0, 255, dtype=torch.float64)
+        codes = torch.cat([torch.zeros(1, dtype=torch.float64), magnitudes])
+    return codes.to(torch.float32)
+
+
+class StateCodec:
+    """How one state is stored: ``encode`` fp32 values into its bytes, ``decode`` the bytes back into fp32."""
+
+    name = "fp32"
+    bytes_per_element = 4.0
+
+    def stored_bytes(self, numel: int) -> int:
+        return math.ceil(numel * self.bytes_per_element)
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.float32).copy_(values)
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(stored.view(torch.float32))
+
+
+class Bf16Codec(StateCodec):
+    name = "bf16"
+    bytes_per_element = 2.0
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.bfloat16).copy_(values)
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(stored.view(torch.bfloat16))
+
+
+class Int8Codec(StateCodec):
+    """[scales: fp32 per block | codes: uint8 per element]; see the Note. A tile's last block may be partial (the
+    end of a run): it has its own scale. Encoding rounds in log scale (a logarithm and a rounding per element,
+    about as fast as Adam's own update; a search among the 256 codes took 18 times as long): each magnitude goes
+    to the code nearest in ratio, and below half the smallest code to zero."""
+
+    name = "int8"
+    bytes_per_element = 1.0 + 4.0 / BLOCK  # whole blocks; stored_bytes counts a partial last block's scale
+
+    def __init__(self, *, signed: bool) -> None:
+        self.signed = signed
+        self.decades = _SIGNED_DECADES if signed else _UNSIGNED_DECADES
+        self.steps = 126 if signed else 254  # magnitudes 10 ** (-decades + k * decades / steps), k = 0..steps
+        self.codes = _log_codes(signed=signed)
+        self.smallest = float(self.codes[128 if signed else 1])
+
+    def stored_bytes(self, numel: int) -> int:
+        return 4 * -(-numel // BLOCK) + numel
+
+    @staticmethod
+    def _split(stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = -(-numel // BLOCK)
+        return stored[: blocks * 4].view(torch.float32), stored[blocks * 4 : blocks * 4 + numel]
+
+    @staticmethod
+    def _blocks(flat: torch.Tensor) -> list[torch.Tensor]:
+        """The whole blocks as one (blocks, BLOCK) view, and the partial last one as (1, rest)."""
+        whole = flat.numel() // BLOCK * BLOCK
+        parts = [flat[:whole].view(-1, BLOCK)] if whole else []
+        return parts + ([flat[whole:].view(1, -1)] if whole < flat.numel() else [])
+
+    def _indices(self, block: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ratio = block.abs().div_(scale.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+        k = torch.log10(ratio).add_(self.decades).mul_(self.steps / self.decades).round_().clamp_(0, self.steps)
+        if self.signed:  # codes: -1 .. -smallest (0..126), 0 (127), smallest .. 1 (128..254): 127 + sign (k + 1)
+            return k.add_(1).mul_(torch.sign(block)).add_(127).masked_fill_(ratio < self.smallest / 2, 127)
+        return k.add_(1).masked_fill_(ratio < self.smallest / 2, 0)  # codes: 0, smallest .. 1
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        scales, codes = self._split(out, values.numel())
+        first = 0
+        for block, code in zip(self._blocks(values.view(-1)), self._blocks(codes), strict=True):
+            scale = scales[first : first + block.shape[0]]
+            torch.amax(block.abs(), dim=1, out=scale)
+            code.copy_(self._indices(block, scale))
+            first += block.shape[0]
+
+    def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
+        scales, codes = self._split(stored, out.numel())
+        first = 0
+        for code, block in zip(self._blocks(codes), self._blocks(out.view(-1)), strict=True):
+            torch.mul(self.codes[code.long()], scales[first : first + code.shape[0]].unsqueeze(1), out=block)
+            first += code.shape[0]
+
+
+def codecs_for(state_dtype: str, states: tuple[str, ...], optimizer_name: str) -> list[StateCodec]:
+    """The codec of each state of a tile under ``state_dtype``; int8 only for Adam's states (others refused)."""
+    if state_dtype == "fp32":
+        return [StateCodec() for _ in states]
+    if state_dtype == "bf16":
+        return [Bf16Codec() for _ in states]
+    unknown = [s for s in states if s not in INT8_RULES]
+    if unknown or not states:
+        raise ConfigError(
+            f'infinity.optimizer_state_dtype "int8" quantizes Adam\'s and AdamW\'s moments only; {optimizer_name} '
+            f'keeps {list(states)}: use "bf16" (any elementwise optimizer) or "fp32"'
+        )
+    return [Int8Codec(signed=INT8_RULES[s] == "signed") for s in states]
