@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from infinity.errors import ConfigError
 from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
 
 try:
@@ -41,12 +42,19 @@ def infinity_trainer(trainer_class: type, config_class: type) -> tuple[type, typ
     """A Trainer subclass and its arguments class, on the engine: (Infinity<Trainer>, Infinity<Config>), each the
     infinity class first in its bases, so the subclass's own overrides run on top of the engine's. Both are made
     once and kept in this module under their names, so pickle finds them (the Trainer saves its arguments with
-    every checkpoint)."""
+    every checkpoint; loading them needs the same call first). A name this module already gives another class
+    (its own pairs, or a pair made for another class of the same name) is refused: use that class."""
     made = []
     for base, ours in ((trainer_class, InfinityTrainer), (config_class, InfinityTrainingArguments)):
         name = f"Infinity{base.__name__}"
         existing = globals().get(name)
-        if existing is None or existing.__bases__ != (ours, base):
+        if existing is not None and existing.__bases__ != (ours, base):
+            raise ConfigError(
+                f"infinity_trainer: {name} is already infinity.integrations.trl's name for another class "
+                f"({existing.__module__}.{existing.__qualname__}, bases {[b.__qualname__ for b in existing.__bases__]})"
+                f": use it, or give {base.__qualname__} another name"
+            )
+        if existing is None:
             existing = type(name, (ours, base), {"__module__": __name__, "__qualname__": name})
             if ours is InfinityTrainingArguments:
                 existing = dataclasses.dataclass(existing)

@@ -1,7 +1,8 @@
 """What TRL takes from DeepSpeed, given by the engine: TRL's fused-head gather and sync_ref_model's blend, extended
-to the engine's stage-3 parameters. Installed once, by infinity.integrations.trl and by any InfinityTrainer in a
-process where TRL is loaded (a TRL trainer class made by hand gets them too). Kept apart from trl.py, which
-imports the Trainer classes, so that transformers.py can install these without an import circle."""
+to the engine's stage-3 parameters. Installed by infinity.integrations.trl and again by every InfinityTrainer in a
+process where TRL is loaded (a TRL trainer class made by hand gets them too; a repeat wraps nothing twice). Kept
+apart from trl.py, which imports the Trainer classes, so that transformers.py can install these without an import
+circle."""
 
 from __future__ import annotations
 

@@ -310,8 +310,9 @@ def _bound_pool(table: UnitTable, knobs: Knobs) -> None:
 # are removed when the pass ends; the heap then stays flat.
 
 
-def _before_grad(coordinator: Coordinator, unit: int, grad: torch.Tensor) -> None:
-    coordinator.before_param_grad(unit)
+def _before_grad(coordinator: Coordinator, unit: int, grad: torch.Tensor | None) -> None:
+    if grad is not None:  # None: a custom function gave the parameter no gradient, nothing to accumulate
+        coordinator.before_param_grad(unit)
 
 
 def _install_hooks(model: nn.Module, table: UnitTable, coordinator: Coordinator, *, training: bool) -> list:

@@ -24,6 +24,7 @@ datasets = pytest.importorskip("datasets")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from infinity.errors import ConfigError  # noqa: E402
 from infinity.integrations.accelerate import full_state_dict  # noqa: E402
 from infinity.integrations.trl import (  # noqa: E402
     InfinityDPOConfig,
@@ -159,6 +160,7 @@ def test_dpo_reference_model_is_a_partitioned_inference_engine(sync, tmp_path):
     assert reference in got[0].accelerator.reference_engines and reference.stage3 is not None
     assert got[0].accelerator.prepare_model(reference.module, evaluation_mode=True) is reference  # prepared once
     assert reference.config.zero.offload_param.device == "nvme"
+    assert not any(p._backward_hooks for p in reference.module.parameters())  # no gradient ever comes to it
     assert_same_run(got, want, "DPO")
     if sync:  # the blended reference, gathered, equals TRL's
         blended, plain = full_state_dict(reference), want[0].ref_model.state_dict()
@@ -191,6 +193,8 @@ def test_any_trainer_subclass_gets_its_pair_which_trains_and_saves(tmp_path):
     assert trainer_class.__mro__[1:3] == (InfinitySFTTrainer.__mro__[1], trl.KTOTrainer)
     assert config_class.__mro__[1:3] == (InfinitySFTConfig.__mro__[1], trl.KTOConfig)
     assert infinity_trainer(trl.KTOTrainer, trl.KTOConfig) == (trainer_class, config_class)  # made once
+    with pytest.raises(ConfigError, match="InfinityDPOConfig is already .* another class"):
+        infinity_trainer(trl.KTOTrainer, type("DPOConfig", (trl.DPOConfig,), {}))  # a user's own class, same name
     runs, sequential = [], {"train_sampling_strategy": "sequential"}  # KTO's KL term pairs neighbours
     for name in ("plain", "infinity"):
         common = {"model": tiny_gpt2(dropout=0.0), "ref_model": tiny_gpt2(dropout=0.0), "train_dataset": kto_data(),
@@ -201,8 +205,12 @@ def test_any_trainer_subclass_gets_its_pair_which_trains_and_saves(tmp_path):
             args = config_class(infinity=nvme_stage3(tmp_path / "nvme"), **arguments(tmp_path / name), **sequential)
             trainer = trainer_class(args=args, **common)
         trainer.train()
-        runs.append([row[0] for row in logged(trainer, ("loss",))])
-    assert len(runs[1]) == 4 and runs[1] == pytest.approx(runs[0], rel=REL)
+        runs.append(([row[0] for row in logged(trainer, ("loss",))], weights(trainer)))
+    assert trainer.ref_model in trainer.accelerator.reference_engines
+    (got, got_weights), (want, want_weights) = runs[1], runs[0]
+    assert len(got) == 4 and got == pytest.approx(want, rel=REL)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got_weights[name], value, rtol=REL, atol=WEIGHTS_ATOL, msg=name)
     trainer.save_model(tmp_path / "saved")
     saved = torch.load(tmp_path / "saved" / "training_args.bin", weights_only=False)
     assert type(saved) is config_class and saved.infinity_config["zero_optimization"]["stage"] == 3
@@ -312,5 +320,8 @@ def test_every_trl_module_that_took_the_gather_helper_gets_the_engines():
 
     kernel = importlib.import_module("trl.kernels.chunked_divergence")
     trl_patches.install()
-    assert kernel.maybe_gather_lm_head_ctx is trl.trainer.utils.maybe_gather_lm_head_ctx
-    assert getattr(kernel.maybe_gather_lm_head_ctx, "__infinity__", False)
+    wrapper = trl.trainer.utils.maybe_gather_lm_head_ctx
+    kernel.maybe_gather_lm_head_ctx = wrapper.__wrapped_original__  # as if imported before any install
+    trl_patches.install()
+    assert kernel.maybe_gather_lm_head_ctx is wrapper and trl.trainer.utils.maybe_gather_lm_head_ctx is wrapper
+    assert getattr(wrapper, "__infinity__", False)
