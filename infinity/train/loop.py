@@ -16,7 +16,7 @@ import infinity
 from infinity.checkpoint.consolidate import MODEL_CONFIG
 from infinity.errors import CheckpointError
 from infinity.memory.host import process_status_bytes
-from infinity.train import models
+from infinity.train import interrupt, models
 from infinity.train.data import token_source
 from infinity.train.disk import DiskBusy
 from infinity.train.plan import Plan
@@ -110,6 +110,7 @@ class Run:
                 engine.backward(loss)
                 engine.step()
                 loss_sum += loss.detach().double()
+                interrupt.raise_if_requested()  # a signal whose own raise Python dropped (train/interrupt.py)
             # the mean over ranks (what plain PyTorch on the whole batch reports), through the engine's group
             all_reduce_mean(engine.comm, loss_sum, async_op=False)
             losses.append(loss_sum.item() / accumulation)

@@ -16,7 +16,7 @@ import tempfile
 
 from infinity.config import AutoError, AutoValues, load_json, parse_config
 from infinity.errors import CheckpointError, ConfigError, InfinityError, TierBudgetError
-from infinity.train import models, resume
+from infinity.train import interrupt, models, resume
 from infinity.train.data import DataError, token_source
 from infinity.train.options import PROG, SECTIONS, apply_dtype, apply_micro_batch, quiet_transformers, unfilled_auto
 from infinity.train.plan import Plan
@@ -211,16 +211,6 @@ def plan(args: argparse.Namespace) -> Plan:
                 notes=notes, nvme_paths=nvme_paths, vocab_size=vocab_size, numel=numel)  # fmt: skip
 
 
-class _Stop(KeyboardInterrupt):
-    """SIGTERM, raised where the run is, so it ends as Ctrl-C does (exit code 128 + the signal)."""
-
-    signum = signal.SIGTERM
-
-
-def _raise_stop(signum: int, frame) -> None:
-    raise _Stop
-
-
 def _ignore_further_signals() -> None:
     """torchrun sends a rank the signal again after the terminal did: the clean-up must not be interrupted."""
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -230,11 +220,9 @@ def _ignore_further_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # SIGTERM (how torchrun and schedulers stop a rank) ends the run like Ctrl-C. Installed before the engine,
-    # so the swap store's handler removes the files first and then calls this one.
-    previous = None
-    with contextlib.suppress(ValueError):  # signals can be set from the main thread only
-        previous = signal.signal(signal.SIGTERM, _raise_stop)
+    # SIGTERM (how torchrun and schedulers stop a rank) ends the run like Ctrl-C (train/interrupt.py). Installed
+    # before the engine, so the swap store's handler removes the files first and then calls this one.
+    previous = interrupt.install()
     run = None
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -269,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # Restored only after a clean end, and only if still ours: after an interrupt signals stay ignored until exit,
     # and after an error the swap store's own handler (installed on top of ours) keeps guarding its files.
-    if previous is not None and signal.getsignal(signal.SIGTERM) is _raise_stop:
-        signal.signal(signal.SIGTERM, previous)
+    interrupt.restore(previous)
     if the_plan.rank == 0:
         print(summary, flush=True)
         if args.summary_json is not None:

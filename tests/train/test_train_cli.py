@@ -275,3 +275,24 @@ def test_every_named_model_builds_on_meta_and_is_listed(capsys, monkeypatch):
     listed = re.findall(r"`([a-z0-9]+-[a-z0-9]+)`\s+\(([0-9.]+[MB])", line)
     assert listed == [(s.name, models._size(s.numel)) for s in models.CATALOG.values()], listed
 
+
+
+def test_a_signal_whose_raise_python_drops_still_stops_the_run():
+    """Python drops an exception raised inside a finalizer ("Exception ignored in ..."): a Ctrl-C that lands in
+    one would be lost. The run's handler records the signal, and the loop's check raises it again."""
+    code = (
+        "import gc, os, signal, weakref\n"
+        "from infinity.train import interrupt\n"
+        "interrupt.install()\n"
+        "class Held: pass\n"
+        "held = Held()\n"
+        "weakref.finalize(held, lambda: [os.kill(os.getpid(), signal.SIGINT)] + list(range(10000)))\n"
+        "del held\n"
+        "gc.collect()\n"
+        "print('dropped', flush=True)\n"
+        "interrupt.raise_if_requested()\n"
+    )  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
+    assert done.stdout.strip() == "dropped" and "Exception ignored" in done.stderr, done.stderr[-2000:]
+    # an uncaught KeyboardInterrupt: Python ends by the signal itself
+    assert done.returncode == -signal.SIGINT and done.stderr.rstrip().endswith("KeyboardInterrupt"), done.stderr[-2000:]
