@@ -329,12 +329,12 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         ring_home = _home("cpu", offload_opt.pin_memory, cuda=cuda)
         rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
                         int(count * tile * state_width * 4)))  # fmt: skip
+        if grad_on_nvme:
+            rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
     if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
         tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,
                         tile * momentum_states * 4))  # fmt: skip
-        if grad_on_nvme:
-            rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
 
     activations = _activations(arch, shape)
     rows += activations

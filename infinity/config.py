@@ -691,7 +691,7 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    infinity = _parse_infinity(raw.get("infinity") or {}, zero)
+    infinity = _parse_infinity({} if raw.get("infinity") is None else raw["infinity"], zero)
     return Config(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,

@@ -293,8 +293,10 @@ class StateMap:
                     master = None if tiled.masters is not None else tiled._master(tile, segment)
                     values = tiled.states_of(tile, segment) if with_states or overwrite else []
                     states = dict(zip(tiled.rule.states, values, strict=True)) if values else {}
-                    yield Block(tile.start, tile.numel, master, states if with_states else {},
-                                transient=handle.in_ring)  # fmt: skip
+                    # transient: the values live in a ring buffer, or (compact states) in the step's decoded
+                    # workspace, which the next tile reuses: checkpoint I/O on them must finish first
+                    transient = handle.in_ring or (tiled.codecs is not None and bool(values))
+                    yield Block(tile.start, tile.numel, master, states if with_states else {}, transient=transient)
                     if values and (dirty or overwrite):
                         tiled.store_states(tile, segment, values)  # compact states: encoded back
                 finally:

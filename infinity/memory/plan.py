@@ -65,7 +65,7 @@ INIT_DISK_RESERVE = 0.10  # zero.Init, which cannot know the model's size, never
 HOST_MEMORY_ENV = "INFINITY_HOST_MEMORY_BYTES"  # plan with at most this much of the node's memory
 
 
-COMPACT_TILE_SLACK = 16  # bytes: the scales of a compact tile's partial last blocks (4 per state, 3 states at most)
+COMPACT_TILE_SLACK = 32  # bytes: a compact tile's partial last blocks' scales and padding (7 per state, 3 at most)
 
 
 def round_up(nbytes: int, align: int = NVME_ALIGN) -> int:

@@ -14,7 +14,8 @@ The master stays fp32: the update is computed in fp32 on decoded states (a works
 what is stored is rounded. Adam with int8 states stores 6.125 bytes an element instead of 12.
 
 Tiles are cut at multiples of 64 elements (tiles.cut), so with BLOCK = 64 only a run's last tile ends in a partial
-block, which takes one more scale (the plan's estimate, bytes_per_element, leaves room for it: memory/plan.py).
+block, which takes one more scale, and each state's bytes are padded to 4 (the plan's estimate, bytes_per_element,
+leaves room for both: COMPACT_TILE_SLACK in memory/plan.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / BLOCK}  # stored by
 INT8_RULES = {"exp_avg": "signed", "exp_avg_sq": "unsigned", "max_exp_avg_sq": "unsigned"}  # Adam's states
 _SIGNED_DECADES = 5  # the signed code spans magnitudes 1e-5..1 of the block's largest
 _UNSIGNED_DECADES = 10  # the second moment, a square: twice as many
+
+
+def _aligned(nbytes: int) -> int:
+    """A state's stored bytes padded to a multiple of 4: a tile of an odd element count (a stage-3 run's end)
+    would otherwise start the next state's fp32 scales at an offset no float view can take."""
+    return -(-nbytes // 4) * 4
 
 
 def _log_codes(*, signed: bool) -> torch.Tensor:
@@ -52,13 +59,14 @@ class StateCodec:
     bytes_per_element = 4.0
 
     def stored_bytes(self, numel: int) -> int:
-        return math.ceil(numel * self.bytes_per_element)
+        """Rounded up to 4 bytes: the next state's fp32 scales (or the segment's next part) stay aligned."""
+        return _aligned(math.ceil(numel * self.bytes_per_element))
 
     def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        out.view(torch.float32).copy_(values)
+        out[: 4 * values.numel()].view(torch.float32).copy_(values)
 
     def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(stored.view(torch.float32))
+        out.copy_(stored[: 4 * out.numel()].view(torch.float32))
 
 
 class Bf16Codec(StateCodec):
@@ -66,10 +74,10 @@ class Bf16Codec(StateCodec):
     bytes_per_element = 2.0
 
     def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        out.view(torch.bfloat16).copy_(values)
+        out[: 2 * values.numel()].view(torch.bfloat16).copy_(values)
 
     def decode(self, stored: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(stored.view(torch.bfloat16))
+        out.copy_(stored[: 2 * out.numel()].view(torch.bfloat16))
 
 
 class Int8Codec(StateCodec):
@@ -89,7 +97,7 @@ class Int8Codec(StateCodec):
         self.smallest = float(self.codes[128 if signed else 1])
 
     def stored_bytes(self, numel: int) -> int:
-        return 4 * -(-numel // BLOCK) + numel
+        return _aligned(4 * -(-numel // BLOCK) + numel)
 
     @staticmethod
     def _split(stored: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +141,11 @@ def codecs_for(state_dtype: str, states: tuple[str, ...], optimizer_name: str) -
         return [StateCodec() for _ in states]
     if state_dtype == "bf16":
         return [Bf16Codec() for _ in states]
+    if not states:
+        raise ConfigError(f'infinity.optimizer_state_dtype "int8": {optimizer_name} keeps no per-element state here, '
+                          'so there is nothing to store compactly; drop the key')  # fmt: skip
     unknown = [s for s in states if s not in INT8_RULES]
-    if unknown or not states:
+    if unknown:
         raise ConfigError(
             f'infinity.optimizer_state_dtype "int8" quantizes Adam\'s and AdamW\'s moments only; {optimizer_name} '
             f'keeps {list(states)}: use "bf16" (any elementwise optimizer) or "fp32"'

@@ -38,7 +38,7 @@ def test_int8_keeps_relative_precision_over_many_decades(signed):
     grad = torch.randn(numel) * torch.logspace(-4, 0, numel)[torch.randperm(numel)]
     values = grad if signed else grad * grad
     codec = Int8Codec(signed=signed)
-    assert codec.stored_bytes(values.numel()) == values.numel() + 4 * 11
+    assert codec.stored_bytes(values.numel()) == 4 * 11 + values.numel() + 1  # 11 scales, the codes, padding to 4
     got = roundtrip(codec, values)
     largest = torch.cat([block.abs().max().expand(len(block)) for block in values.split(BLOCK)])
     covered = values.abs() >= largest * (1e-5 if signed else 1e-10)
@@ -55,25 +55,30 @@ def test_bf16_states_are_bfloat16_roundings():
     assert torch.equal(roundtrip(Bf16Codec(), values), values.to(torch.bfloat16).float())
 
 
-def build() -> nn.Module:
+def build(odd: bool = False) -> nn.Module:
+    """A regression MLP; ``odd``: widths of 5 and 7, so stage 3's runs (and tiles) hold odd element counts."""
     torch.manual_seed(0)
+    if odd:
+        return nn.Sequential(nn.Linear(32, 5), nn.Tanh(), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4))
     return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
 
 
-def config(nvme, *, stage: int, state_dtype: str, optimizer: dict | None = None) -> dict:
+def config(nvme, *, stage: int, state_dtype: str, optimizer: dict | None = None, device: str = "nvme") -> dict:
+    offload = {"device": device, "nvme_path": str(nvme)} if device == "nvme" else {"device": device}
     return {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
             "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
+                                  "offload_optimizer": offload},
             "infinity": {"optimizer_state_dtype": state_dtype}}  # fmt: skip
 
 
 def train(nvme, *, rank: int = 0, world_size: int = 1, stage: int = 3, state_dtype: str = "fp32",
-          steps: int = STEPS, save=None, load=None) -> dict:  # fmt: skip
+          steps: int = STEPS, save=None, load=None, device: str = "nvme", odd: bool = False) -> dict:  # fmt: skip
     """Losses of steps [resumed step, steps) on a seeded regression; the swap folder's bytes while the engine
     lives; optionally a checkpoint saved after half the steps, or loaded first."""
     os.makedirs(nvme, exist_ok=True)
-    engine, *_ = infinity.initialize(model=build(), config=config(nvme, stage=stage, state_dtype=state_dtype))
+    cfg = config(nvme, stage=stage, state_dtype=state_dtype, device=device)
+    engine, *_ = infinity.initialize(model=build(odd), config=cfg)
     if load is not None:
         engine.load_checkpoint(load)
     losses = []
@@ -85,7 +90,7 @@ def train(nvme, *, rank: int = 0, world_size: int = 1, stage: int = 3, state_dty
         losses.append(loss.item())
         if save is not None and step + 1 == steps // 2:
             engine.save_checkpoint(save)
-    swap = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(nvme) for f in files)
+    swap = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(nvme) for f in files)  # nvme only
     stored = engine.zero_optimizer.tiled.state_bytes()
     engine.destroy()
     return {"losses": losses, "swap_bytes": swap, "state_bytes": stored}
@@ -107,12 +112,18 @@ def test_compact_states_train_as_fp32_states_in_a_fraction_of_the_bytes(stage, s
     assert got["swap_bytes"] < want["swap_bytes"] * (expected + 0.02)
 
 
-def test_an_int8_checkpoint_resumes_bitwise(tmp_path):
-    """Saved after 10 steps (the states dequantized to fp32, the universal format) and loaded into a new run
-    (quantized again, to the same codes): steps 11-20 are the uninterrupted run's, bitwise."""
-    whole = train(tmp_path / "a", state_dtype="int8", save=tmp_path / "ckpt")
-    resumed = train(tmp_path / "b", state_dtype="int8", load=tmp_path / "ckpt")
-    assert resumed["losses"] == whole["losses"][STEPS // 2 :]
+@pytest.mark.parametrize("device", ["nvme", "cpu"])
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_a_compact_checkpoint_resumes_bitwise(state_dtype, device, tmp_path):
+    """Saved after 10 steps (the states decoded to fp32, the universal format; in host memory the decoded
+    workspace is reused tile after tile, so its writes and reads must finish first) and loaded into a new run
+    (encoded again, to the same codes): steps 11-20 are the uninterrupted run's, bitwise. Also with tiles of odd
+    element counts (stage 3's runs of a model 5 and 7 wide), whose states' bytes are padded to stay aligned."""
+    for odd in (False, True):
+        kwargs = {"state_dtype": state_dtype, "device": device, "odd": odd}
+        whole = train(tmp_path / f"a{odd}", save=tmp_path / f"ckpt{odd}", **kwargs)
+        resumed = train(tmp_path / f"b{odd}", load=tmp_path / f"ckpt{odd}", **kwargs)
+        assert resumed["losses"] == whole["losses"][STEPS // 2 :], odd
 
 
 def _both_dtypes(*, rank: int, world_size: int, tmp: str) -> dict:

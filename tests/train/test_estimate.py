@@ -54,6 +54,33 @@ def test_world_size_divides_the_states():
     assert one.total(Where.NVME) == pytest.approx(124.4e6 * (16 + 4 * one.plan.gradients_on_nvme), rel=0.01)
 
 
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_compact_states_and_the_gradient_ring(state_dtype):
+    """With int8 states the tiles hold 4 + 2 x 1.0625 bytes an element instead of 12 (and one tile's states are
+    decoded in host memory); with the gradient on NVMe (a host of 1 GiB) its staging ring is counted, whatever
+    the states' dtype."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from infinity.train import models
+
+    raw = json.loads(Path(REPO, "configs", "zero3-nvme.json").read_text())
+    raw["bf16"] = {"enabled": False}
+    raw["infinity"] = {"optimizer_state_dtype": state_dtype}
+    shape = models.CATALOG["gpt2-small"]
+    args = argparse.Namespace(world_size=1, seq_len=128)
+    described = estimate_cli.describe(shape)
+    result = estimate_cli.plan_estimate(shape, raw, args, available=1 << 30, owners_arch=described)[0]
+    assert result.plan.gradients_on_nvme
+    (states,) = [row for row in result.rows if row.what.startswith("fp32 master weights and optimizer states")]
+    per_element = 4 + (2 * (1 + 4 / 64) if state_dtype == "int8" else 8)
+    assert states.nbytes == pytest.approx(124.4e6 * per_element, rel=0.01)
+    whats = [row.what for row in result.rows]
+    assert "gradient staging ring" in whats
+    assert any(w.startswith("decoded int8") for w in whats) == (state_dtype == "int8")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "gpt5"], "--model 'gpt5'"),
     (["--config", "missing.json"], "does not exist"),
