@@ -173,6 +173,7 @@ class TiledStep:
                 manager.add(tile.name, self._segment_bytes(tile.numel), home, torch.uint8)
             widest = max((tile.numel for tile in tiles), default=0)
             self._decoded = torch.empty(len(self.codecs) * widest)  # the states of the tile stepping, in fp32
+            self._rounding = torch.Generator()  # the step's stochastic rounding, reseeded per tile and step
 
         manager.open()
         self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
@@ -224,12 +225,19 @@ class TiledStep:
             codec.decode(stored, out)
         return decoded
 
-    def store_states(self, tile: Tile, segment: torch.Tensor, states: list[torch.Tensor]) -> None:
-        """Compact: ``states`` (from states_of, updated) encoded back into the segment; views need nothing."""
+    def store_states(self, tile: Tile, segment: torch.Tensor, states: list[torch.Tensor], *,
+                     step: int | None = None) -> None:  # fmt: skip
+        """Compact: ``states`` (from states_of, updated) encoded back into the segment; views need nothing.
+        ``step``: the optimizer step that updated them, which rounds stochastically, seeded by tile and step
+        ([Note: compact states]); None rounds to nearest."""
         if self.codecs is None:
             return
+        generator = None
+        if step is not None:
+            generator = self._rounding
+            generator.manual_seed((tile.index << 24) + step)
         for codec, stored, values in zip(self.codecs, self._stored_states(tile, segment), states, strict=True):
-            codec.encode(values, stored)
+            codec.encode(values, stored, generator)
 
     def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self._master(tile, segment), self.states_of(tile, segment)
@@ -285,7 +293,7 @@ class TiledStep:
                 grad = self.grads(tile)
                 grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
-            self.store_states(tile, segment, states)
+            self.store_states(tile, segment, states, step=self.steps[tile.group])
             if self.masters is None:
                 self.weights(tile).copy_(master)
             self.manager.release(handle, dirty=True)

@@ -50,6 +50,32 @@ def test_int8_keeps_relative_precision_over_many_decades(signed):
     assert torch.equal(roundtrip(codec, torch.zeros(BLOCK)), torch.zeros(BLOCK))
 
 
+@pytest.mark.parametrize("codec", [Int8Codec(signed=False), Bf16Codec()], ids=["int8", "bf16"])
+def test_the_steps_stochastic_rounding_lets_a_slow_second_moment_fall(codec):
+    """Adam's second moment with beta2 0.999 stored every step: after 1000 steps, half the gradients become ten
+    times smaller. Rounded to nearest, their stored moment cannot follow (a change under half a code step per step
+    stays where it is: 2x-3x too high 1000 steps later); the step's stochastic rounding keeps it within 10%."""
+    torch.manual_seed(0)
+    numel = 16 * BLOCK
+    spread = torch.logspace(-3, 0, numel)[torch.randperm(numel)]
+    fell = torch.arange(numel) % 2 == 0
+    ratios = {}
+    for stochastic in (False, True):
+        stored = torch.zeros(codec.stored_bytes(numel), dtype=torch.uint8)
+        exact, decoded, generator = torch.zeros(numel), torch.empty(numel), torch.Generator()
+        for step in range(2000):
+            grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)) * spread
+            if step >= 1000:
+                grad[fell] *= 0.1
+            exact.mul_(0.999).add_(grad * grad, alpha=0.001)
+            codec.decode(stored, decoded)
+            decoded.mul_(0.999).add_(grad * grad, alpha=0.001)
+            codec.encode(decoded, stored, generator.manual_seed(step) if stochastic else None)
+        codec.decode(stored, decoded)
+        ratios[stochastic] = float((decoded[fell] / exact[fell]).median())
+    assert ratios[False] > 1.8 and 0.9 < ratios[True] < 1.1, ratios
+
+
 def test_bf16_states_are_bfloat16_roundings():
     values = torch.randn(1000)
     assert torch.equal(roundtrip(Bf16Codec(), values), values.to(torch.bfloat16).float())
