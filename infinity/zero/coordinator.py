@@ -316,8 +316,12 @@ class Coordinator:
         module = self._pass.running[-1] if self._pass.running else 0
         if unit not in self.table.module_units[module]:
             self.table.module_units[module] += (unit,)
+        self._fetch_on_demand(unit, keep={unit, *self.table.module_units[module]})
+
+    def _fetch_on_demand(self, unit: int, *, keep: set[int]) -> None:
+        """One unit gathered now, outside the trace's plan: room made within max_live (``keep`` stays), counted."""
         started = time.perf_counter()
-        self._evict_for(self._numel[unit], keep={unit, *self.table.module_units[module]})  # within max_live
+        self._evict_for(self._numel[unit], keep=keep)
         self._fetch([unit], [])
         self.stats.fetches += 1
         self.stats.on_demand += 1
@@ -355,14 +359,8 @@ class Coordinator:
         integrations/trl_patches.py), or kept the gradient from the forward, is gathered again on demand; the
         gradients coming in release it as usual ([Note: release after backward])."""
         self.table.units[unit].wait()
-        if self.table.units[unit].state is not UnitState.RELEASED:
-            return
-        started = time.perf_counter()
-        self._evict_for(self._numel[unit], keep={unit})
-        self._fetch([unit], [])
-        self.stats.fetches += 1
-        self.stats.on_demand += 1
-        self.stats.blocked_s += time.perf_counter() - started
+        if self.table.units[unit].state is UnitState.RELEASED:
+            self._fetch_on_demand(unit, keep={unit})
 
     def expects_grads(self, unit: int) -> bool:
         """Inside a backward of this pass, before the unit's gradients are all in: a gather ending now
