@@ -72,7 +72,7 @@ def run_mode(mode: str, *, steps: int, data: str, nvme: str, work: str) -> dict:
     with open(summary_path) as f:
         summary = json.load(f)
     return {"losses": summary["losses"], "swap_bytes": summary["io"]["held_nvme"],
-            "median_step_s": summary["median_step_s"]}
+            "median_step_s": summary["median_step_s"], "peak_rss_bytes": summary["peak_rss_max"]}
 
 
 def logged(losses: list[float]) -> list[float]:
@@ -133,7 +133,9 @@ def main() -> int:
             f"{mode:5s} states: swap {result['swap_bytes'] / 2**20:6.2f} MiB ({result['bytes_per_parameter']:.2f} "
             f"B/parameter, {result['swap_bytes'] / modes['fp32']['swap_bytes']:.2f}x fp32's), median step "
             f"{result['median_step_s'] * 1e3:.0f} ms ({result['median_step_s'] / modes['fp32']['median_step_s']:.2f}x"
-            f"), final logged loss {result['logged'][-1]:.4f}, worst logged deviation from fp32 {100 * worst:.2f}% "
+            f"), peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB "
+            f"({result['peak_rss_bytes'] / modes['fp32']['peak_rss_bytes']:.2f}x), final logged loss "
+            f"{result['logged'][-1]:.4f}, worst logged deviation from fp32 {100 * worst:.2f}% "
             f"(worst single step {100 * max(result['step_deviation']):.2f}%){verdict}"
         )
     report = {"steps": args.steps, "model": "gpt2-tiny", "parameters": numel, "data_files": files,
