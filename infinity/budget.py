@@ -43,6 +43,7 @@ from infinity.memory.plan import (
 )
 from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
 from infinity.zero.compact import STATE_BYTES
+from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
 
@@ -239,7 +240,8 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     state_width = 1 + momentum_states * state_bytes / 4 if offload_opt.enabled else 0  # master + states, fp32 units
     plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
                      host_share=shape.host_available // shape.local_ranks,
-                     gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0)  # fmt: skip
+                     gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0,
+                     gradient_itemsize=GRADIENT_DTYPES[config.infinity.offloaded_gradient_dtype].itemsize)  # fmt: skip
     grad_on_nvme = plan.gradients_on_nvme
     swap = swap_need(plan, zero, layout, state_width=state_width, param_itemsize=width)
 
@@ -309,7 +311,8 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     else:
         home = Where.NVME if grad_on_nvme else grad_home
         grad_bytes = swap.gradients if grad_on_nvme else share * 4
-        rows.append(Row("model states", "reduced fp32 gradient (this rank's share)", home, grad_bytes))
+        stored = config.infinity.offloaded_gradient_dtype if grad_on_nvme else "fp32"
+        rows.append(Row("model states", f"reduced {stored} gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:
             in_flight = min(trainable, 2 * zero.reduce_bucket_size)
             rows.append(Row("buffers", "gradient buckets in flight", Where.DEVICE, in_flight * 4))
@@ -330,7 +333,9 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
                         int(count * tile * state_width * 4)))  # fmt: skip
         if grad_on_nvme:
-            rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * 4))
+            rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * plan.gradient_itemsize))
+            if plan.gradient_itemsize != 4:  # the tile stepping's gradient, in fp32 (zero/grads.py)
+                rows.append(Row("buffers", "decoded gradient of one tile", Where.HOST, tile * 4))
     if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
         tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,

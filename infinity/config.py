@@ -228,6 +228,11 @@ class InfinitySection:
     """How offloaded optimizer states are stored: "fp32", "bf16" or "int8" ([Note: compact states] in
     zero/compact.py); the fp32 masters stay fp32."""
 
+    offloaded_gradient_dtype: str = "fp32"
+    """How the reduced gradient is stored where it is written to NVMe (stage 3, optimizer on NVMe, the gradient
+    too large for its part of host memory: [Note: swapped gradients] in zero/grads.py): "fp32" or "bf16". In
+    memory it stays fp32."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
@@ -721,5 +726,14 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig) -> InfinitySection
         raise ConfigError(
             f'infinity.optimizer_state_dtype "{section.optimizer_state_dtype}" stores offloaded optimizer states: '
             'it needs zero_optimization.offload_optimizer.device "cpu" or "nvme" (set it, or drop the key)'
+        )
+    if section.offloaded_gradient_dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"infinity.offloaded_gradient_dtype must be fp32 or bf16; got "
+                          f"{section.offloaded_gradient_dtype!r}")  # fmt: skip
+    if section.offloaded_gradient_dtype != "fp32" and not (zero.stage == 3 and zero.offload_optimizer.device == "nvme"):
+        raise ConfigError(
+            f'infinity.offloaded_gradient_dtype "{section.offloaded_gradient_dtype}" stores the gradient written '
+            "to NVMe, which only stage 3 with zero_optimization.offload_optimizer.device \"nvme\" does (set them, "
+            "or drop the key)"
         )
     return section

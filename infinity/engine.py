@@ -55,6 +55,7 @@ from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.bucket_optimizer import ZeroOptimizer
 from infinity.zero.compact import codecs_for
 from infinity.zero.coordinator import FetchStats
+from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.init import take_whole
 from infinity.zero.optimizer import Offload
 from infinity.zero.partition import plan as partition_plan
@@ -405,11 +406,13 @@ class Engine(EngineControls, EngineGetters, nn.Module):
                 tiled.manager.describe(),
             )  # fmt: skip
             if tiled.gradients is not None:
-                logger.info("gradients on nvme with the optimizer (more than a quarter of the host share); rank 0 "
-                            "holds %s", tiled.gradients.manager.describe())  # fmt: skip
+                logger.info("gradients on nvme with the optimizer in %s (more than a quarter of the host share); "
+                            "rank 0 holds %s", self.config.infinity.offloaded_gradient_dtype,
+                            tiled.gradients.manager.describe())  # fmt: skip
             elif zero.stage == 3 and zero.offload_optimizer.device == "nvme":
-                logger.info("gradients in host memory (a quarter of the host share holds them; they go to nvme "
-                            "with the optimizer when it does not)")  # fmt: skip
+                logger.info("gradients in host memory, in fp32 (a quarter of the host share holds them; they "
+                            "go to nvme with the optimizer when it does not, as infinity.offloaded_gradient_dtype "
+                            "says)")  # fmt: skip
         weakref.finalize(self, _remove_hooks, self.zero_optimizer, self.stage3)  # a dropped engine lets go
         if self.stage3 is None:
             claim_model(self.module, self, partitioned=False)
@@ -499,9 +502,10 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         layout = self._layout_sizes(optimizer) if self.node.paths else None
         gradient_bytes = sum(layout.runs) * 4 if layout is not None and zero.stage == 3 else 0
+        gradient_itemsize = GRADIENT_DTYPES[self.config.infinity.offloaded_gradient_dtype].itemsize
         self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
                                     host_share=self.node.host_share, state_width=width,
-                                    gradient_bytes=gradient_bytes)  # fmt: skip
+                                    gradient_bytes=gradient_bytes, gradient_itemsize=gradient_itemsize)  # fmt: skip
         if layout is None:
             return
         need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)
@@ -604,6 +608,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             pipeline_write=spec.pipeline_write or not nvme,
             gradients=gradient_tier(zero, self.config.aio, **where),
             state_dtype=self.config.infinity.optimizer_state_dtype,
+            gradient_dtype=GRADIENT_DTYPES[self.config.infinity.offloaded_gradient_dtype],
         )
 
     def _tier_managers(self) -> dict:

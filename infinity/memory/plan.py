@@ -187,6 +187,7 @@ class Plan:
     gather_numel: int  # stages 1-2: elements per rank in one all-gather of new weights (allgather_bucket_size)
     optimizer_buffers: int  # the optimizer's NVMe ring (and its gradients')
     gradients_on_nvme: bool  # stage 3, optimizer on NVMe: the reduced gradient too (it did not fit GRADIENT_PART)
+    gradient_itemsize: int  # bytes per element of the gradient on NVMe (infinity.offloaded_gradient_dtype)
     param_buffers: int  # the parameters' NVMe ring
     checkpoint_io_bytes: int  # a save's or load's transfers in flight, at most (checkpoint/chunk_io.py)
 
@@ -196,20 +197,21 @@ class Plan:
 
 
 def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: float,
-              gradient_bytes: int = 0) -> Plan:  # fmt: skip
+              gradient_bytes: int = 0, gradient_itemsize: int = 4) -> Plan:  # fmt: skip
     """The sizes of a run. ``state_width``: fp32 tensors per element of an optimizer tile (master + optimizer
     states; fractional where the states are compact, [Note: compact states] in zero/compact.py); 0 without
     optimizer. ``gradient_bytes``: the rank's reduced fp32 gradient (stage 3), which stays in
     host memory when a quarter of the share holds it, as at stages 1-2, and goes to NVMe with the optimizer
     otherwise (its ring is as deep as the tiles'). In memory it moves no bytes through the disk: on NVMe it is
-    written by backward and read by the step, 8 of the ~36 bytes a parameter moves per step."""
+    written by backward and read by the step, 8 of the ~36 bytes a parameter moves per step (4 where
+    ``gradient_itemsize`` is 2: stored in bf16)."""
     staging = min(STAGING_BUDGET_BYTES, host_share // STAGING_PART)
     optimizer_buffers = max(zero.offload_optimizer.buffer_count, 3)  # one stepping, one reading, one writing
     on_nvme = zero.offload_optimizer.device == "nvme" and state_width > 0
     gradients_on_nvme = on_nvme and zero.stage == 3 and gradient_bytes > host_share // GRADIENT_PART
     tile = zero.sub_group_size
     if on_nvme:
-        width = state_width + gradients_on_nvme
+        width = state_width + gradients_on_nvme * gradient_itemsize / 4
         cap = max(int(staging // (optimizer_buffers * width * 4)), MIN_TILE_NUMEL)
         tile = min(tile, cap)
     tile = max(tile // TILE_MULTIPLE * TILE_MULTIPLE, TILE_MULTIPLE)
@@ -217,7 +219,8 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
         world_size=world_size, local_ranks=local_ranks, host_share=host_share,
         host_cache_bytes=host_share // HOST_CACHE_PART, staging_bytes=staging, tile_numel=tile,
         gather_numel=max(zero.allgather_bucket_size // world_size, 1), optimizer_buffers=optimizer_buffers,
-        gradients_on_nvme=gradients_on_nvme, param_buffers=max(zero.offload_param.buffer_count, 1),
+        gradients_on_nvme=gradients_on_nvme, gradient_itemsize=gradient_itemsize,
+        param_buffers=max(zero.offload_param.buffer_count, 1),
         checkpoint_io_bytes=min(CHECKPOINT_IO_BYTES, host_share // STAGING_PART),
     )  # fmt: skip
 
@@ -346,7 +349,7 @@ def swap_need(plan: Plan, zero: ZeroConfig, layout: LayoutSizes, *, state_width:
         optimizer = sum(round_up(math.ceil(n * state_width * 4) + COMPACT_TILE_SLACK * (state_width % 1 > 0))
                         for n in tiles) + layout.more_runs * NVME_ALIGN  # fmt: skip
         if plan.gradients_on_nvme:
-            gradients = sum(round_up(n * 4) for n in tiles) + layout.more_runs * NVME_ALIGN
+            gradients = sum(round_up(n * plan.gradient_itemsize) for n in tiles) + layout.more_runs * NVME_ALIGN
     return SwapNeed(parameters=parameters, optimizer=optimizer, gradients=gradients, init=init,
                     param_path=param.nvme_path if param.device == "nvme" else None,
                     optimizer_path=opt.nvme_path if opt.device == "nvme" else None)  # fmt: skip

@@ -18,6 +18,16 @@ clipping), which is also fp16's overflow check: the sum is not finite exactly wh
 and clipping factors are applied per tile when it steps. The in-memory stage 3 path computes the same per-piece
 squares and sums them in unit order, so clipping gives bitwise the same result with gradients in memory or on
 NVMe on the same device, whatever the tile size (a per-tile norm would round differently for every sub_group_size).
+
+[Note: bf16 gradients]
+With ``infinity.offloaded_gradient_dtype`` "bf16" the segments hold the gradient in bf16: 2 bytes per element on
+disk and 4 of disk traffic per step instead of 4 and 8, the compact states' companion where the disk is the
+ceiling ([Note: compact states] in compact.py). The reduced piece arrives in fp32; it is rounded to nearest once
+per micro-step (a later micro-step's piece is added in fp32 to the widened stored value and rounded again), and
+widened to fp32 for the step, in a reused workspace, before the unscale and clipping factors apply. The norm is
+taken of the fp32 piece before it is rounded, so clipping sees the gradient that backward produced; the step
+sees it to bf16's 8 bits, as with bf16 gradients in DeepSpeed's bf16 optimizer. Adam divides by the gradient's
+own running scale, so a relative error of 2^-9 per element moves each update by about as much.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.tiles import Tile
 
+GRADIENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # infinity.offloaded_gradient_dtype
 HOST_NORM_CHUNK = 1 << 15  # elements: the chunk's fp64 copy (256 KiB) comes from the C library's heap, reused
 DEVICE_NORM_CHUNK = 1 << 20  # elements: the caching allocator reuses the 8 MiB copy; one sync per piece
 
@@ -51,14 +62,19 @@ def piece_squares(grad: torch.Tensor) -> float:
 class SwappedGradients:
     """The rank's gradient, one NVMe segment per optimizer tile ([Note: swapped gradients])."""
 
-    def __init__(self, tiles: list[Tile], manager: TierManager, *, unit_offsets: dict[int, int]) -> None:
-        """``unit_offsets``: where each unit's piece starts in the rank's flat shard (tiles are placed in it)."""
+    def __init__(self, tiles: list[Tile], manager: TierManager, *, unit_offsets: dict[int, int],
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        """``unit_offsets``: where each unit's piece starts in the rank's flat shard (tiles are placed in it).
+        ``dtype``: how the segments store the gradient ([Note: bf16 gradients])."""
         self.tiles = tiles
         self.manager = manager
+        self.dtype = dtype
         self._by_unit: dict[int, list[Tile]] = {}
         for tile in tiles:
             self._by_unit.setdefault(tile.piece, []).append(tile)
-            manager.add(self._name(tile), tile.numel, Tier.NVME)
+            manager.add(self._name(tile), tile.numel, Tier.NVME, dtype)
+        widest = max((tile.numel for tile in tiles), default=0) if dtype != torch.float32 else 0
+        self._decoded = torch.empty(widest)  # the stepping tile's gradient in fp32, reused tile after tile
         self._unit_offsets = unit_offsets
         if tiles:
             manager.open()
@@ -90,7 +106,7 @@ class SwappedGradients:
             if tile.index in self.written:
                 handle = self.manager.acquire(self._name(tile))
                 grad = handle.wait()
-                grad.add_(values.to(grad.device))  # a piece reduced on the GPU, a ring buffer in host memory
+                grad.add_(values.to(grad.device))  # added in fp32, rounded once where stored in bf16
                 if accumulated is not piece:
                     accumulated[first : first + tile.numel].copy_(grad)
             else:
@@ -110,6 +126,16 @@ class SwappedGradients:
         if handle is not None:
             handle.tensor.zero_()
         return handle
+
+    def values(self, handle: SegmentHandle) -> torch.Tensor:
+        """The tile's gradient in fp32, to step with and scale: the segment itself, or (bf16) its values widened
+        into a workspace that is valid until the next tile's are taken."""
+        stored = handle.wait()
+        if stored.dtype == torch.float32:
+            return stored
+        decoded = self._decoded[: stored.numel()]
+        decoded.copy_(stored)
+        return decoded
 
     def release(self, handle: SegmentHandle) -> None:
         self.manager.release(handle, dirty=False)

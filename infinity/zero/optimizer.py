@@ -43,6 +43,7 @@ class Offload:
     pipeline_write: bool
     gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
     state_dtype: str = "fp32"  # how the tiles store the states ([Note: compact states] in compact.py)
+    gradient_dtype: torch.dtype = torch.float32  # how ``gradients`` stores them (infinity.offloaded_gradient_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,7 +286,7 @@ class TiledStep:
             master, states = self._views(tile, segment)
             grad_handle = self._grads_ahead.pop(tile.index, None)
             if grad_handle is not None:
-                grad = grad_handle.wait()
+                grad = self.gradients.values(grad_handle)
                 for factor in grad_factors:
                     grad.mul_(factor)
             else:

@@ -75,7 +75,8 @@ class UnitOptimizer(PartitionedOptimizer):
         self._grad_factors: list[float] = []
         if offload.gradients is not None:
             offsets = {unit.index: unit.bucket.shard_offset for unit in table.units}
-            self.gradients = SwappedGradients(self.tiled.tiles, offload.gradients, unit_offsets=offsets)
+            self.gradients = SwappedGradients(self.tiled.tiles, offload.gradients, unit_offsets=offsets,
+                                              dtype=offload.gradient_dtype)  # fmt: skip
             self.tiled.gradients = self.gradients
             self.gradients_in_memory = None  # [Note: swapped gradients]
         else:

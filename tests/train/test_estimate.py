@@ -54,11 +54,11 @@ def test_world_size_divides_the_states():
     assert one.total(Where.NVME) == pytest.approx(124.4e6 * (16 + 4 * one.plan.gradients_on_nvme), rel=0.01)
 
 
-@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
-def test_compact_states_and_the_gradient_ring(state_dtype):
+@pytest.mark.parametrize("state_dtype,gradient_dtype", [("fp32", "fp32"), ("int8", "fp32"), ("int8", "bf16")])
+def test_compact_states_and_the_gradient_ring(state_dtype, gradient_dtype):
     """With int8 states the tiles hold 4 + 2 x 1.0625 bytes an element instead of 12 (and one tile's states are
     decoded in host memory); with the gradient on NVMe (a host of 1 GiB) its staging ring is counted, whatever
-    the states' dtype."""
+    the states' dtype, and with a bf16 gradient it takes 2 bytes an element there (one tile's decoded in fp32)."""
     import argparse
     import json
     from pathlib import Path
@@ -67,7 +67,7 @@ def test_compact_states_and_the_gradient_ring(state_dtype):
 
     raw = json.loads(Path(REPO, "configs", "zero3-nvme.json").read_text())
     raw["bf16"] = {"enabled": False}
-    raw["infinity"] = {"optimizer_state_dtype": state_dtype}
+    raw["infinity"] = {"optimizer_state_dtype": state_dtype, "offloaded_gradient_dtype": gradient_dtype}
     shape = models.CATALOG["gpt2-small"]
     args = argparse.Namespace(world_size=1, seq_len=128)
     described = estimate_cli.describe(shape)
@@ -79,6 +79,10 @@ def test_compact_states_and_the_gradient_ring(state_dtype):
     whats = [row.what for row in result.rows]
     assert "gradient staging ring" in whats
     assert any(w.startswith("decoded int8") for w in whats) == (state_dtype == "int8")
+    (gradient,) = [row for row in result.rows if row.what.endswith("gradient (this rank's share)")]
+    assert gradient.what.startswith(f"reduced {gradient_dtype} gradient")
+    assert gradient.nbytes == pytest.approx(124.4e6 * (2 if gradient_dtype == "bf16" else 4), rel=0.01)
+    assert ("decoded gradient of one tile" in whats) == (gradient_dtype == "bf16")
 
 
 @pytest.mark.parametrize("argv,message", [
