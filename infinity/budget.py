@@ -127,7 +127,7 @@ class Estimate:
     numel: int
     trainable_numel: int
     plan: Plan
-    swap: SwapNeed  # the rank's swap files, and zero.Init's copy beside them during initialize()
+    swap: SwapNeed  # the rank's swap files, and zero.Init's copy, given back as initialize() fills them
     checkpoint_bytes: int = 0  # one checkpoint tag: fp32 masters and optimizer states, other parameters as they are
 
     @property

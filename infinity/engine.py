@@ -10,6 +10,7 @@ for batch in loader:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -37,7 +38,7 @@ from infinity.memory.host import (
     say_huge_pages,
     trim_heap,
 )
-from infinity.memory.nvme_store import _human
+from infinity.memory.nvme_store import DeferredReservation, _human
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
     LayoutSizes,
@@ -56,7 +57,7 @@ from infinity.zero.bucket_optimizer import ZeroOptimizer
 from infinity.zero.compact import codecs_for
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.grads import GRADIENT_DTYPES
-from infinity.zero.init import take_whole
+from infinity.zero.init import init_swap_bytes, take_whole
 from infinity.zero.optimizer import Offload
 from infinity.zero.partition import plan as partition_plan
 from infinity.zero.shards import parameter_shards
@@ -380,8 +381,10 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
         offload = None
         try:  # a failure from here on removes what was installed: hooks on the model, swap files
-            offload = self._optimizer_offload(torch_optimizer, run_id)
-            self._partition(torch_optimizer, offload, run_id)
+            deferred = DeferredReservation() if self._defer_reservation else contextlib.nullcontext()
+            with deferred:  # the stores fill the space zero.Init's pieces give back, then are reserved
+                offload = self._optimizer_offload(torch_optimizer, run_id)
+                self._partition(torch_optimizer, offload, run_id)
             self.lr_scheduler = self._scheduler(torch_optimizer, lr_scheduler)
         except BaseException:
             self._abandon(offload)
@@ -499,6 +502,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
                 codecs = codecs_for(self.config.infinity.optimizer_state_dtype, rule.states, type(optimizer).__name__)
                 width = 1 + sum(codec.bytes_per_element for codec in codecs) / 4
         self._planned_units: tuple[tuple[int, int], ...] | None = None
+        self._defer_reservation = False  # zero.Init's pieces share the disk ([Note: deferred reservation])
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         layout = self._layout_sizes(optimizer) if self.node.paths else None
         gradient_bytes = sum(layout.runs) * 4 if layout is not None and zero.stage == 3 else 0
@@ -510,7 +514,15 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             return
         need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)
         self.swap_need = need
-        check_room(self.node, need.by_path(), what="initialize(): the run's NVMe swap files", detail=need.describe())
+        per_path = need.by_path()
+        detail = need.describe()
+        init_bytes = init_swap_bytes(self.module.parameters())  # given back as taken: [Note: deferred reservation]
+        for path, nbytes in init_bytes.items():
+            for planned in [p for p in per_path if os.path.abspath(p) == path]:
+                per_path[planned] = max(per_path[planned] - nbytes, 0)
+                detail += f", less zero.Init's copy there ({_human(nbytes)}, freed as it is taken)"
+                self._defer_reservation = True
+        check_room(self.node, per_path, what="initialize(): the run's NVMe swap files", detail=detail)
 
     def _layout_sizes(self, optimizer: torch.optim.Optimizer | None) -> LayoutSizes:
         """The partition's sizes, as _partition will lay it out: stage 3's units (the same rule as

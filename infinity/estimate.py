@@ -158,7 +158,7 @@ def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | No
 
     cuda = torch.cuda.is_available()
     host = (result.host_bytes(cuda=cuda) + runtime) * ranks
-    nvme = (result.total(Where.NVME) + result.nvme_during_init) * ranks
+    nvme = max(result.total(Where.NVME), result.nvme_during_init) * ranks  # Init's copy is given back as taken
     device_ok = not cuda or result.total(Where.DEVICE) <= torch.cuda.get_device_properties(0).total_memory
     return device_ok and host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
 

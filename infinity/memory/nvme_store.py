@@ -296,6 +296,48 @@ if _fallocate is not None:
     _fallocate.restype = ctypes.c_int
 
 
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+def _punch_hole(fd: int, offset: int, nbytes: int) -> bool:
+    """Give the blocks of [offset, offset + nbytes) back to the filesystem, the file's size unchanged; False
+    where the filesystem cannot (they stay until the file goes)."""
+    return _fallocate is not None and _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
+
+
+class DeferredReservation:
+    """[Note: deferred reservation] Stores opened while one is active (``with DeferredReservation():``) are sized
+    sparse and skip their own free-space check; ``reserve()`` (on leaving the block without an error)
+    preallocates them. For initialize() taking zero.Init's pieces from the same disk: each piece's blocks are
+    given back as it is taken (``NvmeStore.discard``) while the engine's files fill, so the disk holds the
+    model's states once, not the Init copy beside the whole run's preallocated files. The engine checked the
+    run against the free space plus the Init copy first; a disk that fills meanwhile fails the write (ENOSPC,
+    named) or the reservation, before training starts."""
+
+    _active: DeferredReservation | None = None
+
+    def __init__(self) -> None:
+        self.stores: list[NvmeStore] = []
+
+    def __enter__(self) -> DeferredReservation:
+        if DeferredReservation._active is not None:
+            raise ConfigError("a DeferredReservation is already active")
+        DeferredReservation._active = self
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        DeferredReservation._active = None
+        if exc_type is None:
+            self.reserve()
+
+    def reserve(self) -> None:
+        for store in self.stores:
+            if store.is_open:
+                store.reserve()
+        self.stores.clear()
+
+
 def _free_bytes(path: str) -> int:
     """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
     vfs = os.statvfs(path)
@@ -448,7 +490,8 @@ class NvmeStore:
         remove_stale_folders(self.nvme_path)
         layout = SwapLayout.from_sizes(self._sizes.items())
         free = _free_bytes(self.nvme_path)
-        if layout.total_bytes > free:
+        deferred = DeferredReservation._active
+        if deferred is None and layout.total_bytes > free:
             raise TierBudgetError(
                 f"the NVMe swap file of rank {self.rank} needs {layout.total_bytes} bytes "
                 f"({_human(layout.total_bytes)}, {len(layout)} segments) but {self.nvme_path!r} has {free} bytes "
@@ -460,7 +503,11 @@ class NvmeStore:
             files.swap = open_file(
                 files.swap_path, write=True, direct=self._handle.settings.use_direct_io, exclusive=True, mode=0o600
             )
-            _preallocate(files.swap.buffered_fd, layout.total_bytes, files.swap_path)
+            if deferred is None:
+                _preallocate(files.swap.buffered_fd, layout.total_bytes, files.swap_path)
+            else:
+                os.ftruncate(files.swap.buffered_fd, layout.total_bytes)  # sparse until reserve()
+                deferred.stores.append(self)
         except BaseException:
             files.remove()
             raise
@@ -491,6 +538,21 @@ class NvmeStore:
         self._end = segment.end
         self._sizes[name] = nbytes
         return segment
+
+    def reserve(self) -> None:
+        """Preallocate a store opened sparse ([Note: deferred reservation]): blocks written already stay."""
+        _preallocate(self._files.swap.buffered_fd, self._end, self.swap_path)
+
+    def discard(self, name: str) -> bool:
+        """Segment ``name`` is no longer needed: its blocks go back to the filesystem (True), or stay until the
+        store closes where it cannot punch holes (False). Reading or writing it afterwards is an error."""
+        segment = self._segments.pop(name) if self.is_open and name in self._segments else None
+        if segment is None:
+            return False
+        self._sizes.pop(name, None)
+        if self._checksums is not None:
+            self._checksums.pop(name, None)
+        return _punch_hole(self._files.swap.buffered_fd, segment.offset, segment.padded_nbytes)
 
     # ---- I/O ----
     def write(self, name: str, tensor: torch.Tensor) -> SegmentRequest:

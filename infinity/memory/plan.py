@@ -28,7 +28,8 @@ elements (all ranks' parts together).
 NVMe: the plan adds up every swap file's segments (each 4 KiB-aligned, as the store lays them out) for each
 rank, and ``check_room`` sets the ranks of each host against the free space of each filesystem before any
 store is opened: a run the disk cannot hold fails in one line, with the total and the free space, before a byte
-is written (and `infinity train` adds zero.Init's copy and its checkpoints before it builds anything). zero.Init
+is written (`infinity train` checks zero.Init's copy, which initialize() gives back piece by piece as its own
+files fill, and the checkpoints before it builds anything). zero.Init
 alone cannot know the model's size; it checks piece by piece and stops before the disk has less than
 INIT_DISK_RESERVE of its size free (``check_init_piece``).
 """
@@ -307,23 +308,28 @@ class SwapNeed:
     parameters: int = 0
     optimizer: int = 0
     gradients: int = 0
-    init: int = 0  # zero.Init's pieces, on the disk until initialize() has taken them
+    init: int = 0  # zero.Init's pieces, on the disk until initialize() takes them (each given back as taken)
     param_path: str | None = None
     optimizer_path: str | None = None
 
     def by_path(self, *, with_init: bool = False) -> dict[str, int]:
+        """Bytes per path at the peak. ``with_init``: from before zero.Init builds the model; its pieces (under
+        the parameters' path) are given back one by one as initialize() fills the run's files there, which it
+        opens sparse ([Note: deferred reservation] in nvme_store.py): the peak is the larger of the two."""
         need: dict[str, int] = {}
-        for path, nbytes in ((self.param_path, self.parameters + (self.init if with_init else 0)),
+        for path, nbytes in ((self.param_path, self.parameters),
                              (self.optimizer_path, self.optimizer + self.gradients)):  # fmt: skip
             if path is not None and nbytes:
                 need[path] = need.get(path, 0) + nbytes
+        if with_init and self.init and self.param_path is not None:
+            need[self.param_path] = max(need.get(self.param_path, 0), self.init)
         return need
 
     def describe(self, *, with_init: bool = False) -> str:
         parts = [(what, n) for what, n in (("parameters", self.parameters), ("optimizer", self.optimizer),
                                            ("gradients", self.gradients)) if n]  # fmt: skip
         if with_init and self.init:
-            parts.append(("zero.Init's copy", self.init))
+            parts.append(("zero.Init's copy (given back as initialize() takes it)", self.init))
         return ", ".join(f"{what} {_human(n)}" for what, n in parts)
 
 

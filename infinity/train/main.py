@@ -132,7 +132,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 def _check_disk_room(args: argparse.Namespace, shape: models.ModelShape, config: dict, world_size: int) -> None:
     """The whole run's disk need against the free space, before anything is built: each rank's swap files and
-    zero.Init's copy beside them while initialize() takes it (the plan's sizes, as `infinity estimate` counts
+    zero.Init's copy, which initialize() gives back as those fill (the plan's sizes, as `infinity estimate` counts
     them: infinity/memory/plan.py), and --save's checkpoints (all of them: each tag is kept)."""
     from infinity.estimate import plan_estimate
     from infinity.memory.plan import check_room, this_machine

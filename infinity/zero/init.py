@@ -21,8 +21,10 @@ built: with offload_param on NVMe in the config (or ``remote_device="nvme"``) to
 (``InitSwap``): the process holds one module's parameters at a time, so a model larger than host memory can be
 built; with offload_param cpu (or ``remote_device="cpu"``) to host memory, so a model whose 1/N share does not fit
 the device can be built; else it stays on the compute device. Gathering a parameter brings its piece back to the
-compute device (collectives run there); initialize() takes every piece into the engine's own stores, and the Init
-store's files go when the last piece is taken (or at exit).
+compute device (collectives run there); initialize() takes every piece into the engine's own stores, giving each
+swapped piece's blocks back to the disk as it is taken (so the engine's files, opened sparse meanwhile, fill the
+space the Init copy leaves: [Note: deferred reservation] in memory/nvme_store.py), and the Init store's files go
+when the last piece is taken (or at exit).
 
 [Note: zero.Init memory]
 Freed full-size parameters must really be given back, or the heap grows by a full model anyway: glibc serves
@@ -152,6 +154,10 @@ class SwappedPiece:
         self.swap.store.sync_read(self.name, out)
         return out
 
+    def discard(self) -> bool:
+        """The piece was taken: its blocks go back to the disk ([Note: deferred reservation] in nvme_store.py)."""
+        return self.swap.store.discard(self.name)
+
 
 @dataclass(slots=True)
 class InitShard:
@@ -191,6 +197,18 @@ def init_shard(param: nn.Parameter) -> InitShard | None:
     return _SHARDS.get(param)
 
 
+def init_swap_bytes(params: Iterable[nn.Parameter]) -> dict[str, int]:
+    """Bytes of these parameters' zero.Init pieces on NVMe, by the (absolute) nvme_path they are under."""
+    held: dict[str, int] = {}
+    for param in params:
+        shard = init_shard(param)
+        if shard is not None and shard.swapped is not None:
+            path = shard.swapped.swap.store.nvme_path
+            nbytes = shard.swapped.numel * shard.dtype.itemsize
+            held[path] = held.get(path, 0) + -(-nbytes // 4096) * 4096
+    return held
+
+
 def take_whole(param: nn.Parameter) -> torch.Tensor:
     """The whole value of a parameter for the engine's stage 3, which then owns it: a zero.Init piece is gathered
     and dropped (kept, it would hold a second 1/N copy of the model)."""
@@ -199,6 +217,8 @@ def take_whole(param: nn.Parameter) -> torch.Tensor:
         return param.data
     whole = shard.gather()
     del _SHARDS[param]
+    if shard.swapped is not None:
+        shard.swapped.discard()  # the disk holds the model once: the engine's files grow as these go
     return whole
 
 

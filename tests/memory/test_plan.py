@@ -14,9 +14,11 @@ import gc
 import os
 
 import pytest
+import torch
 from torch import nn
 
 import infinity
+import infinity.engine
 from infinity.aio import buffers
 from infinity.config import OffloadOptimizerConfig, ZeroConfig
 from infinity.errors import ConfigError, TierBudgetError
@@ -103,6 +105,44 @@ def test_zero_init_stops_before_the_disk_is_under_a_tenth_free(tmp_path, monkeyp
     del raised
     gc.collect()
     assert not any(nvme.iterdir()), "zero.Init's swap files outlived its pieces"
+
+
+def test_zero_init_pieces_give_their_room_to_the_run_as_initialize_takes_them(tmp_path, monkeypatch, one_thread):
+    """zero.Init's pieces on the run's NVMe folder are given back one by one as initialize() takes them, into
+    files opened sparse and reserved at the end ([Note: deferred reservation] in infinity/memory/nvme_store.py):
+    a disk that had room for the run's files but not for them beside the Init copy trains, and the blocks under
+    the folder never exceed the run's files by more than a quarter of the copy (they were the sum: the files
+    were preallocated before the first piece was taken). Every run file is reserved at the end."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    wide = lambda: nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))  # noqa: E731  (8 units of 256 KiB)
+    measured, *_ = infinity.initialize(model=wide(), config=_config(str(nvme)))
+    files = sum(manager.store.layout.total_bytes for manager in measured._tier_managers().values())
+    measured.destroy()
+
+    disk = SmallDisk(nvme, free=files + 256 * KiB, size=files)  # the files (and the plan's slack), not the copy
+    monkeypatch.setattr(memory_plan, "disk_space", disk)
+    with infinity.zero.Init(config=_config(str(nvme))):
+        model = wide()
+    init = disk.written()
+    assert init > 8 * 256 * KiB
+    peak = [init]
+    taking = infinity.engine.take_whole
+
+    def take_and_measure(param):
+        whole = taking(param)
+        peak[0] = max(peak[0], disk.written())
+        return whole
+
+    monkeypatch.setattr(infinity.engine, "take_whole", take_and_measure)
+    engine, *_ = infinity.initialize(model=model, config=_config(str(nvme)))
+    assert peak[0] <= files + init // 4, (peak[0], files, init)
+    gc.collect()
+    assert disk.written() >= files  # reserved (preallocated) now that the pieces are gone
+    x = torch.randn(2, 256)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    engine.destroy()
 
 
 def test_the_node_is_shared_by_its_ranks_and_every_rank_decides_alike():
