@@ -21,6 +21,7 @@ disk busy while compute went on); the step's disk throughput against ``infinity 
 
     python benchmarks/max_model.py --nvme-path DIR
     python benchmarks/max_model.py --nvme-path DIR --plan-only   # the sizes it would train, nothing written
+    python benchmarks/max_model.py --nvme-path DIR --rederive    # the last JSON's estimates again, and its plot
 """
 
 from __future__ import annotations
@@ -82,31 +83,53 @@ def mode_config(nvme: str, infinity: dict) -> dict:
     return raw
 
 
-def largest_fit(raw: dict, *, seq_len: int, ram: int, disk: int, max_layers: int, smoke: bool) -> dict | None:
-    """The most layers of the 8B shape (at most ``max_layers``) whose estimate, planned with ``ram`` as the host
-    memory (as the run will be: INFINITY_HOST_MEMORY_BYTES), fits ``ram`` (peak host RSS) and ``disk`` (swap files
-    with zero.Init's copy), with the estimate's figures."""
+def estimate_for(raw: dict, layers: int, *, seq_len: int, ram: int, smoke: bool, runtime: int | None = None):
+    """``infinity estimate``'s figures for the shape with ``layers`` layers, planned with ``ram`` as the host
+    memory (as the run will be: INFINITY_HOST_MEMORY_BYTES); ``runtime``: the measured runtime, else measured."""
     from infinity import estimate
     from infinity.budget import Where
     from infinity.train.models import ModelShape
     from infinity.train.options import quiet_transformers
 
     quiet_transformers()
-    args = argparse.Namespace(world_size=1, seq_len=seq_len)
+    shape = ModelShape(name=f"llama-8b-shape-{layers}L", family="llama", fields=shape_fields(layers, smoke=smoke),
+                       note="the Llama 3.1 8B shape with fewer layers")  # fmt: skip
+    result, _ = estimate.plan_estimate(shape, raw, argparse.Namespace(world_size=1, seq_len=seq_len), available=ram)
+    runtime = estimate.runtime_bytes(shape, raw) or 0 if runtime is None else runtime
+    figures = {"layers": layers, "parameters": result.numel, "estimated_swap_bytes": result.total(Where.NVME),
+               "gradients_on_nvme": result.plan.gradients_on_nvme,
+               "estimated_init_copy_bytes": result.nvme_during_init,
+               "estimated_host_bytes": result.host_bytes(cuda=False) + runtime}  # fmt: skip
+    return result, runtime, figures
+
+
+def largest_fit(raw: dict, *, seq_len: int, ram: int, disk: int, max_layers: int, smoke: bool) -> dict | None:
+    """The most layers of the 8B shape (at most ``max_layers``) whose estimate fits ``ram`` (peak host RSS) and
+    ``disk`` (swap files, or zero.Init's copy where larger), with the estimate's figures."""
+    from infinity import estimate
+
     runtime = None
     best = None
     for layers in range(1, max_layers + 1):
-        shape = ModelShape(name=f"llama-8b-shape-{layers}L", family="llama", fields=shape_fields(layers, smoke=smoke),
-                           note="the Llama 3.1 8B shape with fewer layers")  # fmt: skip
-        result, _ = estimate.plan_estimate(shape, raw, args, available=ram)
-        if runtime is None:
-            runtime = estimate.runtime_bytes(shape, raw) or 0
+        result, runtime, figures = estimate_for(raw, layers, seq_len=seq_len, ram=ram, smoke=smoke, runtime=runtime)
         if not estimate.fits(result, runtime=runtime, ranks=1, ram=ram, disk=disk):
             break
-        best = {"layers": layers, "parameters": result.numel, "estimated_swap_bytes": result.total(Where.NVME),
-                "estimated_init_copy_bytes": result.nvme_during_init,
-                "estimated_host_bytes": result.host_bytes(cuda=False) + runtime}  # fmt: skip
+        best = figures
     return best
+
+
+def rederive(path: str) -> None:
+    """Recomputes the estimate's figures of each run of the last JSON (its layers, mode and budget) and the plot."""
+    with open(path + ".json") as f:
+        report = json.load(f)
+    for run in report["runs"]:
+        raw = mode_config(os.path.join(tempfile.gettempdir(), "unused"), MODES[run["mode"]])
+        *_, figures = estimate_for(raw, run["layers"], seq_len=report["seq_len"], ram=report["host_budget_bytes"],
+                                   smoke=report["smoke"])  # fmt: skip
+        run["estimate"] = figures
+    with open(path + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    plot(report, path + ".png")
 
 
 def aio_speeds(folder: str) -> dict:
@@ -191,7 +214,7 @@ def derive(mode: str, fit: dict, run: dict, *, ram: int, speeds: dict, steps: in
         "losses": losses, "loss_fell": losses[-1] < losses[0],
         "median_step_s": summary["median_step_s"], "wall_s": run["wall_s"], "total_s": summary["total_s"],
         "per_step": {"compute_s": (loop - blocked) / steps, "blocked_io_s": blocked / steps,
-                     "hidden_io_s": max(busy - blocked, 0.0) / steps},
+                     "hidden_io_s": max(busy - blocked, 0.0) / steps if busy is not None else None},
         "bytes_read_per_step": read / steps, "bytes_written_per_step": written / steps,
         "disk_gbps": (read + written) / 1e9 / busy if busy else None,
         "disk_bound_step_s": disk_bound / steps,
@@ -220,10 +243,10 @@ def plot(report: dict, path: str) -> None:
                    f"{report['machine']['usable_disk_bytes'] / 1e9:.0f} GB usable disk")  # fmt: skip
     bottom = [0.0] * len(runs)
     for key, color in (("compute_s", "tab:blue"), ("blocked_io_s", "tab:red"), ("hidden_io_s", "tab:orange")):
-        values = [r["per_step"][key] for r in runs]
+        values = [r["per_step"][key] or 0.0 for r in runs]
         right.bar([r["mode"] for r in runs], values, bottom=bottom, color=color, label=key.replace("_s", ""))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    right.set_ylabel("seconds per step (hidden I/O overlaps compute)")
+    right.set_ylabel("seconds per step (hidden I/O ran during compute:\nthe bar is taller than the step)")
     right.set_title("step time split")
     right.legend()
     fig.tight_layout()
@@ -240,7 +263,11 @@ def main() -> int:
     parser.add_argument("--max-layers", type=int, default=128, help="stop the search there")
     parser.add_argument("--smoke", action="store_true", help="a width-256 Llama instead of the 8B's: checks the code")
     parser.add_argument("--out", default=os.path.join(RESULTS, "max_model"), help="JSON/PNG path stem")
+    parser.add_argument("--rederive", action="store_true", help="recompute the last JSON's estimates and plot")
     args = parser.parse_args()
+    if args.rederive:
+        rederive(args.out)
+        return 0
     nvme = os.path.abspath(args.nvme_path)
     os.makedirs(nvme, exist_ok=True)
     ram = ram_bytes()

@@ -38,7 +38,7 @@ from infinity.memory.host import (
     say_huge_pages,
     trim_heap,
 )
-from infinity.memory.nvme_store import DeferredReservation, _human
+from infinity.memory.nvme_store import DeferredReservation, _human, can_punch_holes
 from infinity.memory.offload import agree_run_id, gradient_tier, optimizer_tiers
 from infinity.memory.plan import (
     LayoutSizes,
@@ -518,10 +518,15 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         detail = need.describe()
         init_bytes = init_swap_bytes(self.module.parameters())  # given back as taken: [Note: deferred reservation]
         for path, nbytes in init_bytes.items():
-            for planned in [p for p in per_path if os.path.abspath(p) == path]:
-                per_path[planned] = max(per_path[planned] - nbytes, 0)
-                detail += f", less zero.Init's copy there ({_human(nbytes)}, freed as it is taken)"
-                self._defer_reservation = True
+            if not can_punch_holes(path):
+                continue  # the copy stays until its last piece is taken: no credit
+            credit = nbytes
+            for planned in [p for p in per_path if os.path.abspath(p) == path]:  # "d" and "d/" are one folder
+                taken = min(per_path[planned], credit)
+                per_path[planned] -= taken
+                credit -= taken
+            detail += f", less zero.Init's copy there ({_human(nbytes)}, given back as it is taken)"
+            self._defer_reservation = True
         check_room(self.node, per_path, what="initialize(): the run's NVMe swap files", detail=detail)
 
     def _layout_sizes(self, optimizer: torch.optim.Optimizer | None) -> LayoutSizes:

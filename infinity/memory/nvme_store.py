@@ -40,6 +40,7 @@ import errno as errno_module
 import itertools
 import os
 import re
+import tempfile
 import threading
 import time
 import weakref
@@ -53,7 +54,14 @@ from infinity.aio.buffers import IO_ALIGNMENT
 from infinity.aio.files import open_file
 from infinity.aio.handle import AioHandle
 from infinity.aio.request import AioRequest
-from infinity.errors import AioError, ConfigError, InvalidTensorError, ShortTransferError, TierBudgetError
+from infinity.errors import (
+    AioError,
+    ConfigError,
+    InfinityError,
+    InvalidTensorError,
+    ShortTransferError,
+    TierBudgetError,
+)
 from infinity.memory.swap_lock import SwapFolder, check_nvme_path, remove_stale_folders
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -306,6 +314,30 @@ def _punch_hole(fd: int, offset: int, nbytes: int) -> bool:
     return _fallocate is not None and _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, nbytes) == 0
 
 
+_PUNCHES: dict[str, bool] = {}  # folder -> whether its filesystem gave a punched block back (probed once)
+
+
+def can_punch_holes(folder: str) -> bool:
+    """Whether the filesystem of ``folder`` gives a punched-out block back: probed once per folder with a
+    4 KiB scratch file, written, punched and removed."""
+    folder = os.path.abspath(folder)
+    if folder not in _PUNCHES:
+        works = False
+        try:
+            fd, path = tempfile.mkstemp(prefix=".infinity-punch-", dir=folder)
+            try:
+                os.write(fd, b"\1" * 4096)
+                os.fsync(fd)
+                works = _punch_hole(fd, 0, 4096) and os.fstat(fd).st_blocks == 0
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError:
+            works = False
+        _PUNCHES[folder] = works
+    return _PUNCHES[folder]
+
+
 class DeferredReservation:
     """[Note: deferred reservation] Stores opened while one is active (``with DeferredReservation():``) are sized
     sparse and skip their own free-space check; ``reserve()`` (on leaving the block without an error)
@@ -322,7 +354,7 @@ class DeferredReservation:
 
     def __enter__(self) -> DeferredReservation:
         if DeferredReservation._active is not None:
-            raise ConfigError("a DeferredReservation is already active")
+            raise InfinityError("a DeferredReservation is already active (initialize() runs one at a time)")
         DeferredReservation._active = self
         return self
 

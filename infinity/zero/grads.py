@@ -25,9 +25,10 @@ disk and 4 of disk traffic per step instead of 4 and 8, the compact states' comp
 ceiling ([Note: compact states] in compact.py). The reduced piece arrives in fp32; it is rounded to nearest once
 per micro-step (a later micro-step's piece is added in fp32 to the widened stored value and rounded again), and
 widened to fp32 for the step, in a reused workspace, before the unscale and clipping factors apply. The norm is
-taken of the fp32 piece before it is rounded, so clipping sees the gradient that backward produced; the step
-sees it to bf16's 8 bits, as with bf16 gradients in DeepSpeed's bf16 optimizer. Adam divides by the gradient's
-own running scale, so a relative error of 2^-9 per element moves each update by about as much.
+taken at the boundary in fp32: of the piece before it is rounded with one micro-step a window, of the stored
+(rounded) sum of the earlier ones plus the last piece with more. The step sees the gradient to bf16's 8 bits,
+as with bf16 gradients in DeepSpeed's bf16 optimizer. Adam divides by the gradient's own running scale, so a
+relative error of 2^-9 per element moves each update by about as much.
 """
 
 from __future__ import annotations

@@ -145,6 +145,32 @@ def test_zero_init_pieces_give_their_room_to_the_run_as_initialize_takes_them(tm
     engine.destroy()
 
 
+@pytest.mark.parametrize("case", ["d-and-d-slash", "no-punch-hole"])
+def test_zero_init_copy_is_credited_once_and_only_where_it_gives_room_back(case, tmp_path, monkeypatch, one_thread):
+    """The copy counts once for a folder named two ways ("d" for the parameters, "d/" for the optimizer): a disk
+    that held the run less half the copy is refused. On a filesystem that cannot punch holes (probed) the copy
+    stays until its last piece is taken, so it earns no credit: a disk with room for the run alone is refused."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = _config(str(nvme))
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(nvme) + "/"
+    wide = lambda: nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))  # noqa: E731
+    measured, *_ = infinity.initialize(model=wide(), config=config)
+    files = sum(manager.store.layout.total_bytes for manager in measured._tier_managers().values())
+    measured.destroy()
+    init = 8 * (256 * 256 * 4 + 4 * KiB)  # the fp32 pieces, each padded to 4 KiB
+    if case == "no-punch-hole":
+        monkeypatch.setattr(infinity.engine, "can_punch_holes", lambda folder: False)
+        free = files + 256 * KiB
+    else:
+        free = files - init // 2
+    monkeypatch.setattr(memory_plan, "disk_space", SmallDisk(nvme, free=free, size=files))
+    with infinity.zero.Init(config=config):
+        model = wide()
+    with pytest.raises(TierBudgetError, match="initialize\\(\\): the run's NVMe swap files needs"):
+        infinity.initialize(model=model, config=config)
+
+
 def test_the_node_is_shared_by_its_ranks_and_every_rank_decides_alike():
     """Pure: the host share is the smallest host's memory over its ranks; a filesystem's need is every rank's on
     that host, and another host's disk is its own."""
