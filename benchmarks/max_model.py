@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -186,15 +188,34 @@ def train(mode: str, fit: dict, *, nvme: str, work: str, steps: int, seq_len: in
     sampler.start()
     started = time.perf_counter()
     env = {**os.environ, "INFINITY_HOST_MEMORY_BYTES": str(host_budget)}  # the budget the estimate planned with
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    output, marks = [], []
+    for line in child.stdout:  # each step's line: the process's counters then (the step's own, by difference)
+        output.append(line)
+        if STEP_LINE.match(line):
+            marks.append(process_counters(child.pid))
+    code = child.wait()
     wall = time.perf_counter() - started
     peak_disk = sampler.stop()
-    if done.returncode != 0:
-        raise RuntimeError(f"{mode}: infinity train exited {done.returncode}: {done.stderr[-3000:]}")
+    if code != 0:
+        raise RuntimeError(f"{mode}: infinity train exited {code}: {''.join(output)[-3000:]}")
     with open(summary) as f:
         result = json.load(f)
     shutil.rmtree(folder, ignore_errors=True)
-    return {"summary": result, "peak_disk_bytes": peak_disk, "wall_s": wall, "log_tail": done.stderr[-2000:]}
+    pairs = zip(marks, marks[1:], strict=False)
+    later_steps = [{key: later[key] - earlier[key] for key in later} for earlier, later in pairs]
+    return {"summary": result, "peak_disk_bytes": peak_disk, "wall_s": wall, "later_steps": later_steps}
+
+
+STEP_LINE = re.compile(r"step \d+/\d+: loss")
+
+
+def process_counters(pid: int) -> dict:
+    """Minor faults and user/system CPU seconds of a live process so far (/proc/<pid>/stat: all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"minor_faults": int(fields[7]), "user_s": int(fields[11]) / tick, "system_s": int(fields[12]) / tick}
 
 
 def derive(mode: str, fit: dict, run: dict, *, ram: int, speeds: dict, steps: int) -> dict:
@@ -217,9 +238,18 @@ def derive(mode: str, fit: dict, run: dict, *, ram: int, speeds: dict, steps: in
                      "hidden_io_s": max(busy - blocked, 0.0) / steps if busy is not None else None},
         "bytes_read_per_step": read / steps, "bytes_written_per_step": written / steps,
         "disk_gbps": (read + written) / 1e9 / busy if busy else None,
+        "later_steps": run["later_steps"],  # steps 2.. (step 1 warms up): faults and CPU of each, from /proc
+        "faults_per_page_moved": _per_step_share(run, "minor_faults", (read + written) / steps / 4096),
+        "system_share_of_step": _per_step_share(run, "system_s", summary["median_step_s"]),
         "disk_bound_step_s": disk_bound / steps,
         "step_over_disk_bound": summary["median_step_s"] / (disk_bound / steps),
     }  # fmt: skip
+
+
+def _per_step_share(run: dict, key: str, whole: float) -> float | None:
+    """The later steps' median ``key`` as a share of ``whole``; None without a later step."""
+    values = [step[key] for step in run["later_steps"]]
+    return statistics.median(values) / whole if values and whole else None
 
 
 def plot(report: dict, path: str) -> None:
