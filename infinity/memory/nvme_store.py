@@ -347,19 +347,23 @@ class DeferredReservation:
     run against the free space plus the Init copy first; a disk that fills meanwhile fails the write (ENOSPC,
     named) or the reservation, before training starts."""
 
-    _active: DeferredReservation | None = None
+    _local = threading.local()  # the thread's active one: an engine set up on another thread is not deferred
 
     def __init__(self) -> None:
         self.stores: list[NvmeStore] = []
 
+    @classmethod
+    def active(cls) -> DeferredReservation | None:
+        return getattr(cls._local, "active", None)
+
     def __enter__(self) -> DeferredReservation:
-        if DeferredReservation._active is not None:
+        if DeferredReservation.active() is not None:
             raise InfinityError("a DeferredReservation is already active (initialize() runs one at a time)")
-        DeferredReservation._active = self
+        DeferredReservation._local.active = self
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        DeferredReservation._active = None
+        DeferredReservation._local.active = None
         if exc_type is None:
             self.reserve()
 
@@ -522,7 +526,7 @@ class NvmeStore:
         remove_stale_folders(self.nvme_path)
         layout = SwapLayout.from_sizes(self._sizes.items())
         free = _free_bytes(self.nvme_path)
-        deferred = DeferredReservation._active
+        deferred = DeferredReservation.active()
         if deferred is None and layout.total_bytes > free:
             raise TierBudgetError(
                 f"the NVMe swap file of rank {self.rank} needs {layout.total_bytes} bytes "
