@@ -71,11 +71,12 @@ def shape_fields(layers: int, *, smoke: bool = False) -> dict:
 
 
 def mode_config(nvme: str, infinity: dict) -> dict:
-    """configs/zero3-nvme.json with its swap folder, a constant learning rate (WarmupLR starts at 0, and two
-    steps must move) and the mode's "infinity" section."""
+    """configs/zero3-nvme.json with its swap folder, micro-batch 1, a constant learning rate (WarmupLR starts at
+    0, and two steps must move) and the mode's "infinity" section."""
     with open(os.path.join(REPO, "configs", "zero3-nvme.json")) as f:
         raw = json.load(f)
     raw.pop("scheduler", None)
+    raw["train_micro_batch_size_per_gpu"] = 1  # as trained (--micro-batch 1): the estimate's activations too
     raw["optimizer"]["params"]["lr"] = 1e-4
     raw["steps_per_print"] = 1
     for key in ("offload_param", "offload_optimizer"):
@@ -269,7 +270,7 @@ def plot(report: dict, path: str) -> None:
     left.axhline(8.03, color="red", linestyle="--", linewidth=1)
     left.annotate("Llama 3.1 8B", (0, 8.03), color="red", fontsize=8, va="bottom")
     left.set_ylabel("parameters (billions)")
-    left.set_title(f"largest model: {report['machine']['ram_bytes'] / GIB:.0f} GiB RAM, "
+    left.set_title(f"largest model: {report['machine']['ram_bytes'] / GIB:.1f} GiB RAM, "
                    f"{report['machine']['usable_disk_bytes'] / 1e9:.0f} GB usable disk")  # fmt: skip
     bottom = [0.0] * len(runs)
     for key, color in (("compute_s", "tab:blue"), ("blocked_io_s", "tab:red"), ("hidden_io_s", "tab:orange")):

@@ -31,6 +31,7 @@ from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import (
+    BUILD,
     HeapWatch,
     fix_heap_policy,
     give_back_if_short,
@@ -390,6 +391,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self._abandon(offload)
             raise
         self.optimizer = self.zero_optimizer
+        fix_heap_policy(self._step_heap_policy)  # the steps' policy from here ([Note: setup memory])
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
             plan = self.plan
@@ -454,7 +456,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             _say_cast(model, self.compute_dtype)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
-        fix_heap_policy(policy_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py
+        self._step_heap_policy = policy_for(on_nvme=on_nvme, host_share=self.node.host_share)  # memory/host.py
+        fix_heap_policy(BUILD)  # until the steps: [Note: setup memory] in memory/host.py
         say_huge_pages()  # [Note: huge pages] in memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
@@ -518,12 +521,13 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         detail = need.describe()
         init_bytes = init_swap_bytes(self.module.parameters())  # given back as taken: [Note: deferred reservation]
         for path, nbytes in init_bytes.items():
-            if not can_punch_holes(path):
-                continue  # the copy stays until its last piece is taken: no credit
+            planned = [p for p in per_path if os.path.abspath(p) == path]  # "d" and "d/" are one folder
+            if not planned or not can_punch_holes(path):
+                continue  # another folder, or the copy stays until its last piece is taken: no credit
             credit = nbytes
-            for planned in [p for p in per_path if os.path.abspath(p) == path]:  # "d" and "d/" are one folder
-                taken = min(per_path[planned], credit)
-                per_path[planned] -= taken
+            for key in planned:
+                taken = min(per_path[key], credit)
+                per_path[key] -= taken
                 credit -= taken
             detail += f", less zero.Init's copy there ({_human(nbytes)}, given back as it is taken)"
             self._defer_reservation = True

@@ -153,12 +153,16 @@ def _existing(folder: str | None) -> str | None:
     return folder
 
 
-def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | None) -> bool:
+def fits(result: Estimate, *, runtime: int, ranks: int, ram: int, disk: int | None,
+         init_given_back: bool = True) -> bool:  # fmt: skip
+    """``init_given_back``: the swap folder's filesystem gives zero.Init's punched blocks back (the engine probes
+    it, and credits the copy only then); else the copy counts beside the run's files."""
     import torch
 
     cuda = torch.cuda.is_available()
     host = (result.host_bytes(cuda=cuda) + runtime) * ranks
-    nvme = max(result.total(Where.NVME), result.nvme_during_init) * ranks  # Init's copy is given back as taken
+    run, init = result.total(Where.NVME), result.nvme_during_init
+    nvme = (max(run, init) if init_given_back else run + init) * ranks  # the copy is given back as it is taken
     device_ok = not cuda or result.total(Where.DEVICE) <= torch.cuda.get_device_properties(0).total_memory
     return device_ok and host <= ram and (nvme == 0 or (disk is not None and nvme <= disk))
 
@@ -233,10 +237,14 @@ def _main(argv: list[str] | None) -> int:
     folder = _existing(_nvme_folder(raw, args.nvme_path))
     disk = shutil.disk_usage(folder).free if folder else None
     family = [m for m in models.family_members(shape.family)] if shape.name in models.CATALOG else []
+    from infinity.memory.nvme_store import can_punch_holes
+
+    punches = bool(folder) and can_punch_holes(folder)  # zero.Init's copy is given back only where it can be
     largest = None
     for member in family if measured else []:  # without the runtime's figure no fit is claimed
         member_result, _ = plan_estimate(member, raw, args)
-        if fits(member_result, runtime=runtime, ranks=args.world_size, ram=ram, disk=disk):
+        if fits(member_result, runtime=runtime, ranks=args.world_size, ram=ram, disk=disk,
+                init_given_back=punches):
             largest = member.name
     where = f" and {disk / GIB:.1f} GiB free at {folder}" if disk is not None else ""
     if not family:

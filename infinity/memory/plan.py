@@ -312,17 +312,19 @@ class SwapNeed:
     param_path: str | None = None
     optimizer_path: str | None = None
 
-    def by_path(self, *, with_init: bool = False) -> dict[str, int]:
+    def by_path(self, *, with_init: bool = False, init_given_back: bool = True) -> dict[str, int]:
         """Bytes per path at the peak. ``with_init``: from before zero.Init builds the model; its pieces (under
         the parameters' path) are given back one by one as initialize() fills the run's files there, which it
-        opens sparse ([Note: deferred reservation] in nvme_store.py): the peak is the larger of the two."""
+        opens sparse ([Note: deferred reservation] in nvme_store.py): the peak is the larger of the two; where
+        the filesystem cannot punch holes (``init_given_back`` False) the copy stays: their sum."""
         need: dict[str, int] = {}
         for path, nbytes in ((self.param_path, self.parameters),
                              (self.optimizer_path, self.optimizer + self.gradients)):  # fmt: skip
             if path is not None and nbytes:
                 need[path] = need.get(path, 0) + nbytes
         if with_init and self.init and self.param_path is not None:
-            need[self.param_path] = max(need.get(self.param_path, 0), self.init)
+            held = need.get(self.param_path, 0)
+            need[self.param_path] = max(held, self.init) if init_given_back else held + self.init
         return need
 
     def describe(self, *, with_init: bool = False) -> str:

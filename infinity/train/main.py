@@ -134,11 +134,14 @@ def _check_disk_room(args: argparse.Namespace, shape: models.ModelShape, config:
     """The whole run's disk need against the free space, before anything is built: each rank's swap files and
     zero.Init's copy, which initialize() gives back as those fill (the plan's sizes, as `infinity estimate` counts
     them: infinity/memory/plan.py), and --save's checkpoints (all of them: each tag is kept)."""
-    from infinity.estimate import plan_estimate
+    from infinity.estimate import _existing, plan_estimate
+    from infinity.memory.nvme_store import can_punch_holes
     from infinity.memory.plan import check_room, this_machine
 
     estimate, _ = plan_estimate(shape, config, argparse.Namespace(world_size=world_size, seq_len=args.seq_len))
-    per_rank = estimate.swap.by_path(with_init=True)
+    param_path = estimate.swap.param_path
+    punches = param_path is None or can_punch_holes(_existing(param_path))
+    per_rank = estimate.swap.by_path(with_init=True, init_given_back=punches)
     shared = {}
     if args.save is not None:
         tags = _checkpoints(args)

@@ -154,6 +154,10 @@ class SwappedPiece:
         self.swap.store.sync_read(self.name, out)
         return out
 
+    def read_into(self, out: torch.Tensor) -> None:
+        """Into ``out`` (host memory, the piece's size and dtype): a gather's own slot, no second buffer."""
+        self.swap.store.sync_read(self.name, out)
+
     def discard(self) -> bool:
         """The piece was taken: its blocks go back to the disk ([Note: deferred reservation] in nvme_store.py)."""
         return self.swap.store.discard(self.name)
@@ -183,9 +187,16 @@ class InitShard:
             self.swapped.write(piece)
 
     def gather(self) -> torch.Tensor:
-        local = self.local()
-        full = torch.empty(local.numel() * self.comm.world_size, dtype=self.dtype, device=self.device)
-        collectives.all_gather_pieces(self.comm, full, local, async_op=False)
+        """The whole value on the compute device: this rank's piece goes straight into its slot of the gathered
+        buffer (read there from NVMe on the host), which is all-gathered in place; one full-size buffer."""
+        numel = self.swapped.numel if self.swapped is not None else self.piece.numel()
+        full = torch.empty(numel * self.comm.world_size, dtype=self.dtype, device=self.device)
+        mine = full[self.comm.rank * numel : (self.comm.rank + 1) * numel]
+        if self.swapped is not None and self.device.type == "cpu":
+            self.swapped.read_into(mine)
+        else:
+            mine.copy_(self.local())
+        collectives.all_gather_pieces(self.comm, full, mine, async_op=False)
         return full[: self.shape.numel()].view(self.shape)
 
 
