@@ -110,12 +110,14 @@ def largest_fit(raw: dict, *, seq_len: int, ram: int, disk: int, max_layers: int
     """The most layers of the 8B shape (at most ``max_layers``) whose estimate fits ``ram`` (peak host RSS) and
     ``disk`` (swap files, or zero.Init's copy where larger), with the estimate's figures."""
     from infinity import estimate
+    from infinity.memory.nvme_store import can_punch_holes
 
+    punches = can_punch_holes(raw["zero_optimization"]["offload_param"]["nvme_path"])  # else the copy counts too
     runtime = None
     best = None
     for layers in range(1, max_layers + 1):
         result, runtime, figures = estimate_for(raw, layers, seq_len=seq_len, ram=ram, smoke=smoke, runtime=runtime)
-        if not estimate.fits(result, runtime=runtime, ranks=1, ram=ram, disk=disk):
+        if not estimate.fits(result, runtime=runtime, ranks=1, ram=ram, disk=disk, init_given_back=punches):
             break
         best = figures
     return best

@@ -184,7 +184,7 @@ class InitShard:
         if self.swapped is None:
             self.piece.copy_(piece)
         else:
-            self.swapped.write(piece)
+            self.swapped.write(piece.to(self.dtype))  # its bytes are read back as the shard's dtype
 
     def gather(self) -> torch.Tensor:
         """The whole value on the compute device: this rank's piece goes straight into its slot of the gathered
@@ -194,6 +194,8 @@ class InitShard:
         mine = full[self.comm.rank * numel : (self.comm.rank + 1) * numel]
         if self.swapped is not None and self.device.type == "cpu":
             self.swapped.read_into(mine)
+        elif self.swapped is None:
+            mine.copy_(self.piece)  # from host memory or the device, no staging copy
         else:
             mine.copy_(self.local())
         collectives.all_gather_pieces(self.comm, full, mine, async_op=False)

@@ -99,6 +99,33 @@ def test_policy_follows_the_host_share():
 
 
 @pytest.mark.skipif(any(name in os.environ for name in host.GLIBC_SETTINGS), reason="glibc set by the user")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_setup_returns_its_blocks_and_the_steps_keep_theirs(stage, monkeypatch):
+    """initialize() fills the partition under RETURN, so its one-off buffers (a unit's whole values, its flat
+    copy) go back to the kernel instead of fragmenting the heap KEEP holds ([Note: setup memory]); the steps then
+    run under KEEP (training in memory)."""
+    import infinity.engine as engine_module
+
+    seen = []
+    if stage == 3:
+        filling = engine_module.fill_units
+        monkeypatch.setattr(engine_module, "fill_units", lambda *a, **k: (seen.append(host._fixed), filling(*a, **k)))
+    else:
+        partition = engine_module.ZeroOptimizer
+        monkeypatch.setattr(engine_module, "ZeroOptimizer", lambda *a, **k: (seen.append(host._fixed),
+                                                                           partition(*a, **k))[1])  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+    config = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+    engine, *_ = infinity.initialize(model=model, config=config)
+    try:
+        assert seen == [host.RETURN] and host._fixed is host.KEEP
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.skipif(any(name in os.environ for name in host.GLIBC_SETTINGS), reason="glibc set by the user")
 def test_the_kept_blocks_go_back_when_the_host_runs_short(caplog):
     """KEEP's cache is bounded by the host: once the memory available falls under an eighth of what the plan
     found at initialize, the engine says so once, gives the heap's free pages back and returns freed blocks

@@ -35,3 +35,16 @@ def test_pieces_go_where_remote_device_or_offload_param_says(tmp_path, config_de
         assert shard.piece.device.type == "cpu" and shard.local().device == shard.device  # gathered on the device
         with infinity.zero.GatheredParameters([layer.weight, layer.bias]):
             assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+
+
+@pytest.mark.parametrize("device", ["nvme", "cpu", "none"])
+def test_a_value_of_another_dtype_set_while_gathered_is_kept_in_the_pieces_dtype(tmp_path, device):
+    """A modifier that sets a gathered fp16 weight to a bf16 tensor: the pieces keep fp16 and the value (1.5
+    is exact in both), wherever they live; on NVMe the bytes written were once the bf16 ones, read back as fp16."""
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device, "nvme_path": str(tmp_path)}}}
+    with infinity.zero.Init(config=config, dtype=torch.float16):
+        layer = nn.Linear(64, 64)
+    with infinity.zero.GatheredParameters([layer.weight], modifier_rank=0):
+        layer.weight.data = torch.full((64, 64), 1.5, dtype=torch.bfloat16)
+    whole = init_shard(layer.weight).gather()
+    assert whole.dtype == torch.float16 and torch.equal(whole, torch.full((64, 64), 1.5, dtype=torch.float16))
