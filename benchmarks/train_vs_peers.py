@@ -314,6 +314,7 @@ def main() -> int:
     made = args.nvme_path is None
     if made:
         args.nvme_path = tempfile.mkdtemp(prefix="peers-bench-", dir=os.getcwd())
+    os.makedirs(args.nvme_path, exist_ok=True)  # a folder that is not there yet is made, as infinity train does
     disk = shutil.disk_usage(args.nvme_path)
     need = SWAP_BYTES_PER_RANK * max(args.world_sizes)  # the nvme modes' swap files, one mode at a time
     if disk.free - need < disk.total // 10:

@@ -31,12 +31,12 @@ from infinity.generation import default_synced_generate
 from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import (
-    BUILD,
     HeapWatch,
     fix_heap_policy,
     give_back_if_short,
     policy_for,
     say_huge_pages,
+    trim_after_setup_unit,
     trim_heap,
 )
 from infinity.memory.nvme_store import DeferredReservation, _human, can_punch_holes
@@ -391,7 +391,6 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self._abandon(offload)
             raise
         self.optimizer = self.zero_optimizer
-        fix_heap_policy(self._step_heap_policy)  # the steps' policy from here ([Note: setup memory])
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
             plan = self.plan
@@ -456,8 +455,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             _say_cast(model, self.compute_dtype)
         self.node: Node = survey(self.comm, nvme_paths(self.config.zero))  # collective ([Note: one plan])
         on_nvme = bool(nvme_paths(self.config.zero))
-        self._step_heap_policy = policy_for(on_nvme=on_nvme, host_share=self.node.host_share)  # memory/host.py
-        fix_heap_policy(BUILD)  # until the steps: [Note: setup memory] in memory/host.py
+        fix_heap_policy(policy_for(on_nvme=on_nvme, host_share=self.node.host_share))  # memory/host.py
         say_huge_pages()  # [Note: huge pages] in memory/host.py
         self.module = model if self.config.zero.stage == 3 else model.to(self.device)
         for buffer in self.module.buffers():
@@ -484,7 +482,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole,
-                       on_piece=self.zero_optimizer.initialize_piece)  # fmt: skip
+                       on_piece=self.zero_optimizer.initialize_piece, after_unit=trim_after_setup_unit)  # fmt: skip
         else:
             self.zero_optimizer = ZeroOptimizer(
                 torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,

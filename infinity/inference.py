@@ -28,7 +28,7 @@ from torch import nn
 from infinity.config import AUTO
 from infinity.engine import Engine, _cast_inputs, _remove_hooks, claim_model
 from infinity.errors import ConfigError
-from infinity.memory.host import fix_heap_policy, trim_heap
+from infinity.memory.host import trim_after_setup_unit, trim_heap
 from infinity.memory.nvme_store import DeferredReservation
 from infinity.memory.offload import agree_run_id
 from infinity.zero.coordinator import FetchStats
@@ -89,7 +89,6 @@ class InferenceEngine(Engine):
             for param in self.module.parameters():
                 if param.is_floating_point():
                     param.data = param.data.to(dtype=self.compute_dtype)
-        fix_heap_policy(self._step_heap_policy)  # the steps' policy from here ([Note: setup memory] in host.py)
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         self._log_placement()
         weakref.finalize(self, _remove_hooks, None, self.stage3)  # a dropped engine lets go of the model
@@ -115,7 +114,7 @@ class InferenceEngine(Engine):
                     device=self.device, make_shards=self._make_shards(run_id), training=False,
                 )  # fmt: skip
                 self._keep_generate_in_step()
-                fill_units(self.stage3.table, comm=self.comm, full_value=take_whole)
+                fill_units(self.stage3.table, comm=self.comm, full_value=take_whole, after_unit=trim_after_setup_unit)
         except BaseException:
             self._abandon(None)
             raise
