@@ -32,11 +32,11 @@ from infinity.logs import install_default_handler
 from infinity.lr_schedules import build_schedule
 from infinity.memory.host import (
     HeapWatch,
+    SetupTrim,
     fix_heap_policy,
     give_back_if_short,
     policy_for,
     say_huge_pages,
-    trim_after_setup_unit,
     trim_heap,
 )
 from infinity.memory.nvme_store import DeferredReservation, _human, can_punch_holes
@@ -482,7 +482,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
             self.stage3.on_piece_edited = self.zero_optimizer.load_unit_piece
             fill_units(self.stage3.table, comm=self.comm, full_value=take_whole,
-                       on_piece=self.zero_optimizer.initialize_piece, after_unit=trim_after_setup_unit)  # fmt: skip
+                       on_piece=self.zero_optimizer.initialize_piece, after_unit=SetupTrim())  # fmt: skip
         else:
             self.zero_optimizer = ZeroOptimizer(
                 torch_optimizer, comm=self.comm, stage=zero.stage, compute_dtype=self.compute_dtype,

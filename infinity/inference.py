@@ -28,7 +28,7 @@ from torch import nn
 from infinity.config import AUTO
 from infinity.engine import Engine, _cast_inputs, _remove_hooks, claim_model
 from infinity.errors import ConfigError
-from infinity.memory.host import trim_after_setup_unit, trim_heap
+from infinity.memory.host import SetupTrim, trim_heap
 from infinity.memory.nvme_store import DeferredReservation
 from infinity.memory.offload import agree_run_id
 from infinity.zero.coordinator import FetchStats
@@ -114,7 +114,7 @@ class InferenceEngine(Engine):
                     device=self.device, make_shards=self._make_shards(run_id), training=False,
                 )  # fmt: skip
                 self._keep_generate_in_step()
-                fill_units(self.stage3.table, comm=self.comm, full_value=take_whole, after_unit=trim_after_setup_unit)
+                fill_units(self.stage3.table, comm=self.comm, full_value=take_whole, after_unit=SetupTrim())
         except BaseException:
             self._abandon(None)
             raise

@@ -40,11 +40,12 @@ Stage 3's initialize() fills each unit from the whole values of its parameters (
 unit's flat copy, its piece in the compute dtype): large buffers made once. Under KEEP the heap holds every one of
 them when freed, and the next unit's, a little larger or smaller, rarely fits the holes: on a 5.19B-parameter
 Llama shape (everything on NVMe, int8 states) initialize() peaked at 11.75 GiB against 8.43 GiB in the steps.
-So after each unit of SETUP_TRIM_BYTES or more (fp32) the heap's free pages are given back
-(``trim_after_setup_unit``): its peak falls to the steps' (RSS trace, the same run). Running setup under RETURN
-instead did as well there, but on GPT-2 small with everything on NVMe the steps then grew their own heap from
-nothing, the holes setup had left being what they reused: 50 k faults and 0.5 s of system time a step against
-~0 and 0.09 s, peak RSS 4.29 against 3.81 GiB.
+So after each unit, once SETUP_FREE_BYTES (1 GiB) lie free in the heap, its free pages are given back
+(``trim_after_setup_unit``): the peak falls to the steps' (RSS trace of the same run, trimming after every unit
+of 64 MiB or more: 7.21 GiB). Where less lies free the holes are left: the steps reuse them. On GPT-2 small with
+everything on NVMe (0.2 GiB free after setup), a trim after its 154 MB embedding unit made two runs of four fault
+50-75 k times a step with 4.3 GiB peak RSS, against 0-1.3 k and 3.9-4.1 GiB without
+(benchmarks/train_vs_peers.py); running all of setup under RETURN did the same.
 
 The engine's own large buffers are reused by their owners whatever the policy (gathered units: memory/pool.py).
 A user who sets glibc's own variables (MALLOC_MMAP_THRESHOLD_, MALLOC_MMAP_MAX_, MALLOC_TRIM_THRESHOLD_) keeps
@@ -131,13 +132,40 @@ def _libc():
         return None
 
 
-SETUP_TRIM_BYTES = 64 << 20  # a stage-3 unit from this size (fp32) up is followed by a trim at setup
+SETUP_FREE_BYTES = 1 << 30  # free heap bytes after a stage-3 unit's setup from which its pages are given back
 
 
-def trim_after_setup_unit(nbytes: int) -> None:
-    """[Note: setup memory]: a large unit's one-off buffers were just freed; under KEEP, give the pages back."""
-    if nbytes >= SETUP_TRIM_BYTES and _fixed is KEEP:
-        trim_heap()
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes free inside the main heap (glibc's mallinfo2: 2.33 and later); None where it cannot be read."""
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+class SetupTrim:
+    """[Note: setup memory], one per setup: called after each unit's one-off buffers are freed (``nbytes`` of
+    fp32); under KEEP, gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the
+    last trim (a trim leaves the free chunks in the heap: only their pages go)."""
+
+    def __init__(self) -> None:
+        self.trimmed_at = 0  # heap free bytes after the last trim
+        self.trims = 0
+
+    def __call__(self, nbytes: int) -> None:
+        if _fixed is not KEEP:
+            return
+        free = heap_free_bytes()
+        if free is not None and free - self.trimmed_at >= SETUP_FREE_BYTES:
+            trim_heap()
+            self.trimmed_at = free
+            self.trims += 1
 
 
 def trim_heap() -> bool:
