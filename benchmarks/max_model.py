@@ -59,11 +59,10 @@ TEXT = b"The quick brown fox jumps over the lazy dog. " * 64
 
 
 def ram_bytes() -> int:
+    from infinity.report import meminfo_bytes
+
     with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo")
+        return meminfo_bytes(f.read(), "MemTotal")
 
 
 def shape_fields(layers: int, *, smoke: bool = False) -> dict:

@@ -382,8 +382,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         run_id = agree_run_id(self.comm) if nvme else None  # names the swap folders, the same on every rank
         offload = None
         try:  # a failure from here on removes what was installed: hooks on the model, swap files
-            deferred = DeferredReservation() if self._defer_reservation else contextlib.nullcontext()
-            with deferred:  # the stores fill the space zero.Init's pieces give back, then are reserved
+            with self._setup_reservation():
                 offload = self._optimizer_offload(torch_optimizer, run_id)
                 self._partition(torch_optimizer, offload, run_id)
             self.lr_scheduler = self._scheduler(torch_optimizer, lr_scheduler)
@@ -530,6 +529,11 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             detail += f", less zero.Init's copy there ({_human(nbytes)}, given back as it is taken)"
             self._defer_reservation = True
         check_room(self.node, per_path, what="initialize(): the run's NVMe swap files", detail=detail)
+
+    def _setup_reservation(self) -> contextlib.AbstractContextManager:
+        """Around setup: where zero.Init's pieces share the run's folder, the run's stores fill the space they
+        give back and are reserved at the end ([Note: deferred reservation] in memory/nvme_store.py)."""
+        return DeferredReservation() if self._defer_reservation else contextlib.nullcontext()
 
     def _layout_sizes(self, optimizer: torch.optim.Optimizer | None) -> LayoutSizes:
         """The partition's sizes, as _partition will lay it out: stage 3's units (the same rule as

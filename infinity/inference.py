@@ -16,7 +16,6 @@ in step ([Note: synced generation] in generation.py).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from collections.abc import Mapping
@@ -29,7 +28,6 @@ from infinity.config import AUTO
 from infinity.engine import Engine, _cast_inputs, _remove_hooks, claim_model
 from infinity.errors import ConfigError
 from infinity.memory.host import SetupTrim, trim_heap
-from infinity.memory.nvme_store import DeferredReservation
 from infinity.memory.offload import agree_run_id
 from infinity.zero.coordinator import FetchStats
 from infinity.zero.init import take_whole
@@ -107,8 +105,7 @@ class InferenceEngine(Engine):
         run_id = agree_run_id(self.comm) if zero.offload_param.device == "nvme" else None
         claim_model(self.module, self, partitioned=True)  # before any weight moves: also if the rest fails
         try:
-            deferred = DeferredReservation() if self._defer_reservation else contextlib.nullcontext()
-            with deferred:  # the pieces' store fills the room zero.Init's copy gives back (as in training)
+            with self._setup_reservation():
                 self.stage3 = setup_stage3(
                     self.module, distributed=self.distributed, zero=zero, dtype=self.compute_dtype,
                     device=self.device, make_shards=self._make_shards(run_id), training=False,

@@ -150,22 +150,20 @@ def heap_free_bytes() -> int | None:
 
 
 class SetupTrim:
-    """[Note: setup memory], one per setup: called after each unit's one-off buffers are freed (``nbytes`` of
-    fp32); under KEEP, gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the
-    last trim (a trim leaves the free chunks in the heap: only their pages go)."""
+    """[Note: setup memory], one per setup: called after each unit's one-off buffers are freed; under KEEP,
+    gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the last trim (a trim
+    leaves the free chunks in the heap: only their pages go)."""
 
     def __init__(self) -> None:
         self.trimmed_at = 0  # heap free bytes after the last trim
-        self.trims = 0
 
-    def __call__(self, nbytes: int) -> None:
+    def __call__(self) -> None:
         if _fixed is not KEEP:
             return
         free = heap_free_bytes()
         if free is not None and free - self.trimmed_at >= SETUP_FREE_BYTES:
             trim_heap()
             self.trimmed_at = free
-            self.trims += 1
 
 
 def trim_heap() -> bool:

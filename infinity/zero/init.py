@@ -60,7 +60,7 @@ from infinity.config_keys import say_no_effect
 from infinity.errors import ConfigError, InfinityError
 from infinity.logs import install_default_handler
 from infinity.memory.host import BUILD, fix_heap_policy
-from infinity.memory.plan import check_init_piece
+from infinity.memory.plan import check_init_piece, round_up
 from infinity.zero import collectives
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.units import stage3_runtime
@@ -151,7 +151,7 @@ class SwappedPiece:
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.numel, dtype=dtype)
-        self.swap.store.sync_read(self.name, out)
+        self.read_into(out)
         return out
 
     def read_into(self, out: torch.Tensor) -> None:
@@ -218,7 +218,7 @@ def init_swap_bytes(params: Iterable[nn.Parameter]) -> dict[str, int]:
         if shard is not None and shard.swapped is not None:
             path = shard.swapped.swap.store.nvme_path
             nbytes = shard.swapped.numel * shard.dtype.itemsize
-            held[path] = held.get(path, 0) + -(-nbytes // 4096) * 4096
+            held[path] = held.get(path, 0) + round_up(nbytes)  # as the store lays its segments out
     return held
 
 

@@ -286,13 +286,13 @@ def fill_units(
     comm: Comm,
     full_value: Callable[[nn.Parameter], torch.Tensor],
     on_piece: Callable[[Unit, torch.Tensor], None] | None = None,
-    after_unit: Callable[[int], None] | None = None,
+    after_unit: Callable[[], None] | None = None,
 ) -> None:
     """Moves the parameters' values into the units, one unit at a time: ``full_value(param)`` gives a parameter's
     whole value (zero.Init pieces are gathered), every rank takes rank 0's (as DeepSpeed broadcasts the model at
     start), the rank's piece goes to its home in the compute dtype and ``on_piece(unit, fp32 piece)`` (the
     optimizer's masters) sees it in fp32. So no more than one unit is ever whole here, and no whole fp32 shard is
-    made anywhere. ``after_unit(bytes)``: called once a unit's whole values are freed, with their fp32 size."""
+    made anywhere. ``after_unit()``: called once a unit's whole values are freed."""
     for unit in table.units:
         bucket = unit.bucket
         wholes = (full_value(param) for param in unit.params)
@@ -312,7 +312,7 @@ def fill_units(
             del full
             unit.release()
         if after_unit is not None:
-            after_unit(bucket.padded_numel * 4)
+            after_unit()
 
 
 def _shape(param: nn.Parameter) -> torch.Size:
