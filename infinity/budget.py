@@ -46,6 +46,7 @@ from infinity.zero.compact import STATE_BYTES
 from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
+from infinity.zero.split_master import master_width
 
 
 class Where(enum.Enum):
@@ -237,7 +238,9 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         layout = LayoutSizes(runs=tuple(b.piece_numel for b in buckets[0].buckets))
     state_dtype = config.infinity.optimizer_state_dtype  # [Note: compact states] in zero/compact.py
     state_bytes = STATE_BYTES[state_dtype]
-    state_width = 1 + momentum_states * state_bytes / 4 if offload_opt.enabled else 0  # master + states, fp32 units
+    split = config.infinity.offloaded_master == "split"  # [Note: split masters] in zero/split_master.py
+    master = master_width(config.infinity.offloaded_master)
+    state_width = master + momentum_states * state_bytes / 4 if offload_opt.enabled else 0  # fp32 units
     plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
                      host_share=shape.host_available // shape.local_ranks,
                      gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0,
@@ -289,13 +292,15 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
 
     # ---- fp32 masters and optimizer states ----
     if opt_home is Where.NVME:  # tiles [master | states], each segment 4 KiB-aligned
-        what = f"fp32 master weights and optimizer states ({momentum_states} {state_dtype} per element)"
+        masters = "split master weights (16 bits each)" if split else "fp32 master weights"
+        what = f"{masters} and optimizer states ({momentum_states} {state_dtype} per element)"
         rows.append(Row("model states", f"{what}, tiles of <= {plan.tile_numel:,} elements", Where.NVME,
                         swap.optimizer))  # fmt: skip
     else:
         masters_are_weights = width == 4 and not offload_opt.enabled
         if not masters_are_weights:
-            rows.append(Row("model states", "fp32 master weights", opt_home, share * 4))
+            what = "split master weights (16 bits each beside the bf16 weights)" if split else "fp32 master weights"
+            rows.append(Row("model states", what, opt_home, int(share * 4 * master)))
         if momentum_states:
             rows.append(Row("model states", f"optimizer states ({momentum_states} {state_dtype} per element)",
                             opt_home, int(share * state_bytes * momentum_states)))  # fmt: skip
@@ -336,6 +341,10 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("buffers", "gradient staging ring", ring_home, count * tile * plan.gradient_itemsize))
             if plan.gradient_itemsize != 4:  # the tile stepping's gradient, in fp32 (zero/grads.py)
                 rows.append(Row("buffers", "decoded gradient of one tile", Where.HOST, tile * 4))
+    if offload_opt.enabled and split:  # the tile stepping's master, joined (zero/split_master.py)
+        tile = min(plan.tile_numel, max(layout.runs, default=0))
+        per_element = 4 + 4 + (2 if cuda else 0)  # fp32, int32, and the bf16 weight copied from the device
+        rows.append(Row("buffers", "joined split master of one tile", Where.HOST, tile * per_element))
     if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
         tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,

@@ -233,6 +233,11 @@ class InfinitySection:
     too large for its part of host memory: [Note: swapped gradients] in zero/grads.py): "fp32" or "bf16". In
     memory it stays fp32."""
 
+    offloaded_master: str = "fp32"
+    """How an offloaded optimizer keeps the fp32 master weights: "fp32" (4 bytes an element), or "split" (bf16
+    only: the 16 bits the bf16 weight lacks, 2 bytes an element; the master is joined back from both for the
+    step: [Note: split masters] in zero/split_master.py)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
@@ -696,7 +701,7 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    infinity = _parse_infinity({} if raw.get("infinity") is None else raw["infinity"], zero)
+    infinity = _parse_infinity({} if raw.get("infinity") is None else raw["infinity"], zero, bf16=bf16.enabled)
     return Config(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
@@ -716,7 +721,7 @@ def parse_config(
     )
 
 
-def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig) -> InfinitySection:
+def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool) -> InfinitySection:
     section = _typed_section(InfinitySection, "infinity", raw)
     dtypes = ("fp32", "bf16", "int8")  # zero/compact.py's STATE_DTYPES
     if section.optimizer_state_dtype not in dtypes:
@@ -735,5 +740,14 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig) -> InfinitySection
             f'infinity.offloaded_gradient_dtype "{section.offloaded_gradient_dtype}" stores the gradient written '
             "to NVMe, which only stage 3 with zero_optimization.offload_optimizer.device \"nvme\" does (set them, "
             "or drop the key)"
+        )
+    if section.offloaded_master not in ("fp32", "split"):  # zero/split_master.py's MASTER_LAYOUTS
+        raise ConfigError(f"infinity.offloaded_master must be fp32 or split; got "
+                          f"{section.offloaded_master!r}")  # fmt: skip
+    if section.offloaded_master == "split" and not (zero.offload_optimizer.enabled and bf16):
+        raise ConfigError(
+            'infinity.offloaded_master "split" keeps the fp32 master as the bf16 weight plus 16 low bits: it needs '
+            'bf16.enabled true and zero_optimization.offload_optimizer.device "cpu" or "nvme" (set them, or drop '
+            "the key)"
         )
     return section

@@ -62,6 +62,7 @@ from infinity.zero.init import init_swap_bytes, take_whole
 from infinity.zero.optimizer import Offload
 from infinity.zero.partition import plan as partition_plan
 from infinity.zero.shards import parameter_shards
+from infinity.zero.split_master import master_width
 from infinity.zero.stage3 import Stage3, setup_stage3
 from infinity.zero.tiles import rule_for
 from infinity.zero.unit_optimizer import UnitOptimizer
@@ -404,8 +405,9 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         if zero.offload_optimizer.enabled and self.comm.rank == 0:
             tiled = self.zero_optimizer.tiled
             logger.info(
-                "optimizer offloaded to %s: %d tiles of <= %d elements; rank 0 holds %s",
+                "optimizer offloaded to %s: %d tiles of <= %d elements, masters %s; rank 0 holds %s",
                 zero.offload_optimizer.device, len(tiled.tiles), max(t.numel for t in tiled.tiles),
+                "split (16 bits beside the bf16 weights)" if tiled.splitter is not None else "fp32",
                 tiled.manager.describe(),
             )  # fmt: skip
             if tiled.gradients is not None:
@@ -500,7 +502,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             rule = rule_for(optimizer)  # refuses, at any stage, an optimizer that flat pieces would change
             if zero.offload_optimizer.enabled:  # master + states, in fp32 units ([Note: compact states])
                 codecs = codecs_for(self.config.infinity.optimizer_state_dtype, rule.states, type(optimizer).__name__)
-                width = 1 + sum(codec.bytes_per_element for codec in codecs) / 4
+                width = master_width(self.config.infinity.offloaded_master)
+                width += sum(codec.bytes_per_element for codec in codecs) / 4
         self._planned_units: tuple[tuple[int, int], ...] | None = None
         self._defer_reservation = False  # zero.Init's pieces share the disk ([Note: deferred reservation])
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
@@ -632,6 +635,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             gradients=gradient_tier(zero, self.config.aio, **where),
             state_dtype=self.config.infinity.optimizer_state_dtype,
             gradient_dtype=GRADIENT_DTYPES[self.config.infinity.offloaded_gradient_dtype],
+            master_layout=self.config.infinity.offloaded_master,
         )
 
     def _tier_managers(self) -> dict:

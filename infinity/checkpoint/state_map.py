@@ -290,15 +290,21 @@ class StateMap:
                     segment = handle.wait()
                     if overwrite:
                         segment.zero_()  # a ring buffer holds another tile's values: its padding must not keep them
-                    master = None if tiled.masters is not None else tiled._master(tile, segment)
+                    master = None
+                    if tiled.masters is None:  # a split master to be overwritten is not joined first
+                        master = tiled.blank_master(tile, segment) if overwrite else tiled._master(tile, segment)
                     values = tiled.states_of(tile, segment) if with_states or overwrite else []
                     states = dict(zip(tiled.rule.states, values, strict=True)) if values else {}
-                    # transient: the values live in a ring buffer, or (compact states) in the step's decoded
-                    # workspace, which the next tile reuses: checkpoint I/O on them must finish first
+                    # transient: the values live in a ring buffer, or (compact states, split masters) in the
+                    # step's workspaces, which the next tile reuses: checkpoint I/O on them must finish first
                     transient = handle.in_ring or (tiled.codecs is not None and bool(values))
+                    transient = transient or (master is not None and tiled.masters_transient)
                     yield Block(tile.start, tile.numel, master, states if with_states else {}, transient=transient)
-                    if values and (dirty or overwrite):
-                        tiled.store_states(tile, segment, values)  # compact states: encoded back
+                    if dirty or overwrite:
+                        if values:
+                            tiled.store_states(tile, segment, values)  # compact states: encoded back
+                        if master is not None:
+                            tiled.store_master(tile, segment, master)
                 finally:
                     manager.release(handle, dirty=dirty)
         finally:

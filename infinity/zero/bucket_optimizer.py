@@ -172,6 +172,9 @@ class ZeroOptimizer(PartitionedOptimizer):
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
         return self._piece_view(tile)
 
+    def _tile_current_weight(self, tile: Tile) -> torch.Tensor:
+        return self._piece_view(tile)
+
     def _step_tiles(self) -> None:
         """Each tile's new weights are all-gathered from every rank as soon as it has stepped, behind the following
         tiles' reads and writes (every rank cuts its piece of a bucket into the plan's tiles, at the same offsets,

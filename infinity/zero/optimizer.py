@@ -44,6 +44,7 @@ class Offload:
     gradients: TierManager | None = None  # stage 3 on NVMe: the gradient's tier ([Note: swapped gradients])
     state_dtype: str = "fp32"  # how the tiles store the states ([Note: compact states] in compact.py)
     gradient_dtype: torch.dtype = torch.float32  # how ``gradients`` stores them (infinity.offloaded_gradient_dtype)
+    master_layout: str = "fp32"  # "split": residuals beside the bf16 weights ([Note: split masters])
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +78,16 @@ class PartitionedOptimizer:
             pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write, masters=masters,
             codecs=codecs_for(offload.state_dtype, rule.states, type(optimizer).__name__),
+            split_masters=self._tile_current_weight if offload.master_layout == "split" else None,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters
         optimizer.state.clear()
         return tiled
+
+    def _tile_current_weight(self, tile) -> torch.Tensor:
+        """The tile's compute-dtype weights as they are now, read only (split masters join with them)."""
+        raise NotImplementedError
 
     def _tiles_as_parameters(self) -> None:
         """A rule without its own update: the user's optimizer gets each tile's master as a parameter."""

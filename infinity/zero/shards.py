@@ -27,8 +27,9 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   without exhausting RAM on large ones; 0 sends every piece to NVMe. Which pieces stay, and the ring's buffer
   size, are the plan's (``place_parameters``), so `infinity estimate` counts what this keeps.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
-writes it (asynchronously, behind the next tiles). Read-ahead copies are dropped at the end of every pass,
-so a staged piece is never older than the one on disk.
+writes it (asynchronously, behind the next tiles). Where the step reads the pieces (split masters), it stages
+the next units' pieces as it goes, and ``edit`` takes a staged read as it is. Read-ahead copies are dropped at
+the end of every pass, so a staged piece is never older than the one on disk.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class UnitShards:
         self._outsized_behind: dict[int, torch.Tensor] = {}
         self.outsized_spare_budget = 0
         self.outsized_made = 0  # such buffers allocated rather than reused, since the start (zero_stats)
+        self.version = 0  # counts writes (store, edit, commit): a copy taken at one version is current until it moves
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
             placement = place_parameters(movable, itemsize=dtype.itemsize, host_numel=host_numel,
@@ -233,6 +235,7 @@ class UnitShards:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
         self._check_here()
         self._copied(index)
+        self.version += 1
         if index in self._staged:
             self.manager.release(self._staged.pop(index), dirty=False)
         self._drop_fresh(index)
@@ -248,6 +251,7 @@ class UnitShards:
         of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
         self._check_here()
         self._copied(index)
+        self.version += 1
         if index in self._resident:
             return self._resident[index]
         if self.flat is not None:
@@ -266,8 +270,12 @@ class UnitShards:
                 self._editing_outsized[index] = piece
             return self._editing_outsized[index]
         if index not in self._editing:
-            if index in self._staged:
-                self.manager.release(self._staged.pop(index), dirty=False)
+            staged = self._staged.pop(index, None)
+            if staged is not None and not overwrite:  # read ahead (the step's split masters): edited as read
+                self._editing[index] = staged
+                return staged.wait()
+            if staged is not None:
+                self.manager.release(staged, dirty=False)
             handle = self.manager.acquire(self._name(index), read=not overwrite)
             if overwrite:
                 handle.tensor[self.held_numel(index) :].zero_()
@@ -287,6 +295,7 @@ class UnitShards:
         return self.flat is not None
 
     def commit(self, index: int) -> None:
+        self.version += 1
         outsized = self._editing_outsized.get(index)
         if outsized is not None:  # written behind the next tiles; kept for the next gather, within the budget
             self.manager.write_from(self._name(index), outsized, block=False)

@@ -7,6 +7,9 @@ range of one param group's elements inside one bucket piece (stages 1-2) or one 
 memory/tiers.py): [master | state 1 | state 2 ...], fp32, so an NVMe tile moves in one read and one write.
 Where the weights themselves are fp32 in device memory (stage 3, fp32, nothing offloaded) the master is the
 weight: the segment holds the states only, and no second fp32 copy of the shard exists.
+With bf16 weights and infinity.offloaded_master "split" the segment holds the master's 16 low bits only; the
+step joins it with the tile's weights, read before they are written ([Note: split masters] in
+split_master.py).
 
 The step walks the tiles in order. For each: wait for its segment, run torch's own functional update for the
 user's optimizer class (Adam / AdamW / SGD's kernels here, any other elementwise class's own step: [Note:
@@ -33,6 +36,7 @@ from infinity.errors import ConfigError
 from infinity.memory.tiers import SegmentHandle, Tier, TierManager
 from infinity.zero.compact import StateCodec
 from infinity.zero.elementwise import ElementwiseStep, GroupStart
+from infinity.zero.split_master import MasterSplitter, stored_master_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +147,14 @@ class TiledStep:
         gradients=None,
         masters: Callable[[Tile], torch.Tensor] | None = None,
         codecs: Sequence[StateCodec] | None = None,
+        split_masters: Callable[[Tile], torch.Tensor] | None = None,
     ) -> None:
         """``gradients``: a SwappedGradients (grads.py) when the gradient is on NVMe too; it is read ahead with
         the tiles, and ``grads`` is not used. ``masters``: where the tile's fp32 master already lives, when the
         weights are fp32 in memory (the master is the weight: no copy, and the segment holds only the states).
-        ``codecs``: how each state is stored ([Note: compact states] in compact.py); None or all fp32: as is."""
+        ``codecs``: how each state is stored ([Note: compact states] in compact.py); None or all fp32: as is.
+        ``split_masters``: the masters are stored as residuals beside the bf16 weights ([Note: split masters] in
+        split_master.py); it gives a tile's current weights outside the step (read only, may be a copy)."""
         self.tiles = tiles
         self.gradients = gradients
         self.masters = masters
@@ -159,7 +166,11 @@ class TiledStep:
         self.pipeline_write = pipeline_write
         self.steps = [0] * groups  # optimizer steps taken, per param group
         self.params: list[torch.nn.Parameter] = []  # rule without update: the masters as the optimizer's params
-        compact = codecs is not None and any(codec.name != "fp32" for codec in codecs)
+        if split_masters is not None and (masters is not None or codecs is None or rule.update is None):
+            raise ConfigError("split masters need bf16 weights and the optimizer offloaded (its step runs on tiles)")
+        self.current_weights = split_masters
+        self.splitter: MasterSplitter | None = None
+        compact = codecs is not None and (split_masters is not None or any(c.name != "fp32" for c in codecs))
         self.codecs: list[StateCodec] | None = list(codecs) if compact else None
         if self.codecs is None:
             self.width = (0 if masters else 1) + len(rule.states)  # fp32 tensors per element in a segment
@@ -168,11 +179,14 @@ class TiledStep:
         else:
             if rule.update is None:
                 raise ConfigError("compact optimizer states need the optimizer offloaded (its step runs on tiles)")
-            self.width = (0 if masters else 1) + sum(codec.bytes_per_element for codec in self.codecs) / 4
-            for tile in tiles:
-                manager.add(tile.name, self._segment_bytes(tile.numel), home, torch.uint8)
+            master_width = 0 if masters else 0.5 if split_masters else 1
+            self.width = master_width + sum(codec.bytes_per_element for codec in self.codecs) / 4
             widest = max((tile.numel for tile in tiles), default=0)
             self._decoded = torch.empty(len(self.codecs) * widest)  # the states of the tile stepping, in fp32
+            if split_masters is not None:
+                self.splitter = MasterSplitter(widest)  # before the segments: it sets their layout
+            for tile in tiles:
+                manager.add(tile.name, self._segment_bytes(tile.numel), home, torch.uint8)
             self._rounding = torch.Generator()  # the step's stochastic rounding, reseeded per tile and step
 
         manager.open()
@@ -184,7 +198,9 @@ class TiledStep:
 
         def fill(segment: torch.Tensor) -> None:
             segment.zero_()  # zero states (compact ones too: zero bytes decode to zero)
-            if self.masters is None:
+            if self.splitter is not None:
+                self.splitter.split(master, self._residual(tile, segment))
+            elif self.masters is None:
                 self._master(tile, segment).copy_(master)
 
         self.manager.initialize(tile.name, fill)
@@ -192,20 +208,54 @@ class TiledStep:
     def tiles_of(self, group: int, piece: int) -> list[Tile]:
         return [t for t in self.tiles if t.group == group and t.piece == piece]
 
-    # ---- a segment's layout: [master | states], fp32, or the master's 4 bytes then each state's stored bytes ----
-    def _segment_bytes(self, numel: int) -> int:
-        return (0 if self.masters else 4 * numel) + sum(codec.stored_bytes(numel) for codec in self.codecs)
+    # ---- a segment's layout: [master | states], fp32, or the master's bytes (4 an element, or a split master's
+    # residual: 2) then each state's stored bytes ----
+    def _master_bytes(self, numel: int) -> int:
+        if self.masters is not None:
+            return 0
+        return stored_master_bytes(numel, "split" if self.splitter is not None else "fp32")
 
-    def _master(self, tile: Tile, segment: torch.Tensor) -> torch.Tensor:
+    def _segment_bytes(self, numel: int) -> int:
+        return self._master_bytes(numel) + sum(codec.stored_bytes(numel) for codec in self.codecs)
+
+    def _residual(self, tile: Tile, segment: torch.Tensor) -> torch.Tensor:
+        return segment[: 2 * tile.numel].view(torch.int16)
+
+    def _master(self, tile: Tile, segment: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The tile's fp32 master: a view of its segment or of the weights, or (split) joined from ``weights``
+        (default: the current ones) into the splitter's workspace, valid until the next tile's is taken; a
+        change to a joined master is kept by ``store_master``."""
         if self.masters is not None:
             return self.masters(tile)
+        if self.splitter is not None:
+            weights = self.current_weights(tile) if weights is None else weights
+            return self.splitter.join(weights, self._residual(tile, segment))
         if self.codecs is None:
             return segment[: tile.numel]
         return segment[: 4 * tile.numel].view(torch.float32)
 
+    def store_master(self, tile: Tile, segment: torch.Tensor, master: torch.Tensor,
+                     weights: torch.Tensor | None = None) -> None:  # fmt: skip
+        """A split master's residual <- ``master`` (changed in place; ``weights``: its bf16 rounding, just
+        written); any other master is a view already."""
+        if self.splitter is not None:
+            self.splitter.split(master, self._residual(tile, segment), weights)
+
+    def blank_master(self, tile: Tile, segment: torch.Tensor) -> torch.Tensor:
+        """Where a caller that writes every element of a tile's master puts it (then ``store_master``): the
+        segment's own master, or (split) the splitter's workspace, zeroed."""
+        if self.splitter is not None:
+            return self.splitter.master[: tile.numel].zero_()
+        return self._master(tile, segment)
+
+    @property
+    def masters_transient(self) -> bool:
+        """Whether ``_master`` gives a workspace the next tile reuses (split masters)."""
+        return self.splitter is not None
+
     def _stored_states(self, tile: Tile, segment: torch.Tensor) -> list[torch.Tensor]:
         """Compact: each state's bytes within the segment."""
-        start = 0 if self.masters else 4 * tile.numel
+        start = self._master_bytes(tile.numel)
         parts = []
         for codec in self.codecs:
             size = codec.stored_bytes(tile.numel)
@@ -238,9 +288,6 @@ class TiledStep:
             generator.manual_seed((tile.index << 24) + step)
         for codec, stored, values in zip(self.codecs, self._stored_states(tile, segment), states, strict=True):
             codec.encode(values, stored, generator)
-
-    def _views(self, tile: Tile, segment: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self._master(tile, segment), self.states_of(tile, segment)
 
     def prefetch(self) -> None:
         """Start reading the first tiles (as many as free buffers allow, never blocking)."""
@@ -283,7 +330,9 @@ class TiledStep:
             if self.pipeline_read:
                 self._read_ahead(tile.index + 1, depth, block=False)
             segment = handle.wait()
-            master, states = self._views(tile, segment)
+            weights = self.weights(tile) if self.masters is None else None
+            master = self._master(tile, segment, weights)
+            states = self.states_of(tile, segment)
             grad_handle = self._grads_ahead.pop(tile.index, None)
             if grad_handle is not None:
                 grad = self.gradients.values(grad_handle)
@@ -294,8 +343,9 @@ class TiledStep:
                 grad = grad if grad.device == master.device else grad.to(master.device)
             self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
             self.store_states(tile, segment, states, step=self.steps[tile.group])
-            if self.masters is None:
-                self.weights(tile).copy_(master)
+            if weights is not None:
+                weights.copy_(master)
+                self.store_master(tile, segment, master, weights)
             self.manager.release(handle, dirty=True)
             if grad_handle is not None:
                 self.gradients.release(grad_handle)
@@ -335,7 +385,11 @@ class TiledStep:
         for tile in self.tiles if tiles is None else tiles:
             handle = self.manager.acquire(tile.name)
             try:
-                fn(tile, self._master(tile, handle.wait()))
+                segment = handle.wait()
+                master = self._master(tile, segment)
+                fn(tile, master)
+                if dirty:
+                    self.store_master(tile, segment, master)
             finally:
                 self.manager.release(handle, dirty=dirty)
         self.manager.flush()

@@ -93,6 +93,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         self.masters = []
+        self._read_piece: tuple[tuple[int, int], torch.Tensor] | None = None  # _tile_current_weight's copy
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), gradients=self.gradients_in_memory, shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, max_in_flight=None,
@@ -164,20 +165,49 @@ class UnitOptimizer(PartitionedOptimizer):
         return torch.tensor([total], dtype=torch.float64, device=self.device)
 
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
-        """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed)."""
+        """The tile's elements of its unit's piece, held writable until the unit's last tile (then committed).
+        Split masters join with the piece's values: it is read first even where the step writes all of it."""
         first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
-        piece = self.table.shards.edit(tile.piece, overwrite=tile.piece in self._tiles_cover)
+        overwrite = tile.piece in self._tiles_cover and self.tiled.splitter is None
+        piece = self.table.shards.edit(tile.piece, overwrite=overwrite)
         return piece[first : first + tile.numel]
+
+    def _tile_current_weight(self, tile: Tile) -> torch.Tensor:
+        """The tile's elements of its unit's piece as it is now: a copy of the piece, kept while the tiles of one
+        unit are visited in turn (a checkpoint's blocks) and no piece is written."""
+        shards = self.table.shards
+        key = (tile.piece, shards.version)
+        if self._read_piece is None or self._read_piece[0] != key:
+            self._read_piece = None  # the old copy goes before the new one is made
+            self._read_piece = (key, shards.read(tile.piece))
+        first = tile.start - self.table.layout.buckets[tile.piece].shard_offset
+        return self._read_piece[1][first : first + tile.numel]
 
     def _step_tiles(self) -> None:
         last = self._last_tile
+        self._read_piece = None
+        # Split masters join with the pieces: read the next units' pieces ahead, as the forward does
+        order = list(self._tiles_of_unit) if self.tiled.splitter is not None else []
+        self._stage_pieces(order)
 
         def on_tile(tile: Tile) -> None:
             if tile.index == last[tile.piece]:
                 self.table.shards.commit(tile.piece)  # offloaded shards go back, behind the next tiles
+                if order:
+                    self._stage_pieces(order[order.index(tile.piece) + 1 :])
 
         self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
         self._regather_persistent()
+
+    def _stage_pieces(self, units: list[int]) -> None:
+        """Starts reading the pieces of ``units`` in order, as far as free staging buffers go (never blocking:
+        the ones not staged are read when the step edits them)."""
+        shards = self.table.shards
+        if shards.flat is not None:
+            return
+        for unit in units:
+            if not shards.stage(unit):
+                return
 
     def _regather_persistent(self) -> None:
         for unit in self.table.units:

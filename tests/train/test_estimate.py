@@ -85,6 +85,30 @@ def test_compact_states_and_the_gradient_ring(state_dtype, gradient_dtype):
     assert ("decoded gradient of one tile" in whats) == (gradient_dtype == "bf16")
 
 
+def test_split_masters_take_two_bytes_an_element():
+    """bf16 weights with infinity.offloaded_master "split": the tiles hold the 2-byte residual and int8 states
+    (2 + 2 x 1.0625 bytes an element), and one tile's joined master is counted in host memory."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from infinity.train import models
+
+    raw = json.loads(Path(REPO, "configs", "zero3-nvme.json").read_text())
+    raw["infinity"] = {"optimizer_state_dtype": "int8", "offloaded_master": "split"}
+    shape = models.CATALOG["gpt2-small"]
+    args = argparse.Namespace(world_size=1, seq_len=128)
+    result = estimate_cli.plan_estimate(shape, raw, args, owners_arch=estimate_cli.describe(shape))[0]
+    (states,) = [row for row in result.rows if row.what.startswith("split master weights (16 bits each) and")]
+    assert states.where is Where.NVME
+    assert states.nbytes == pytest.approx(124.4e6 * (2 + 2 * (1 + 4 / 64)), rel=0.01)
+    (joined,) = [row for row in result.rows if row.what == "joined split master of one tile"]
+    # a tile is the plan's tile_numel here (gpt2-small's embedding, 38.6M elements, is cut into such tiles):
+    # fp32 master 4, int32 bits 4 bytes an element
+    assert result.plan.tile_numel < 38_597_376
+    assert joined.where is Where.HOST and joined.nbytes == result.plan.tile_numel * 8
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", "gpt5"], "--model 'gpt5'"),
     (["--config", "missing.json"], "does not exist"),
