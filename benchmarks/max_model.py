@@ -4,7 +4,8 @@ From the machine's RAM and the free space on the swap disk, and with ``infinity 
 (infinity/estimate.py: the plan, the swap files, zero.Init's copy, the host rows and the measured runtime), it
 picks the largest Llama-shaped model that fits in two modes: fp32 optimizer states (configs/zero3-nvme.json:
 parameters, gradients and AdamW's masters and states on NVMe) and the compact mode (the same, plus
-``"infinity": {"optimizer_state_dtype": "int8", "offloaded_gradient_dtype": "bf16"}``). The shape is Llama 3.1
+``"infinity": {"optimizer_state_dtype": "int8", "offloaded_gradient_dtype": "bf16", "offloaded_master":
+"split"}``). The shape is Llama 3.1
 8B's (width 4096, 32 heads, 8 key/value heads, MLP 14336, vocabulary 128256, untied head) with as many layers
 as fit: the 8B model itself is that shape with 32 layers. Fitting means: the swap files (and zero.Init's copy
 while initialize() takes it) within the free disk less 10% of the disk's size, the estimated peak host RSS within
@@ -22,6 +23,7 @@ disk busy while compute went on); the step's disk throughput against ``infinity 
     python benchmarks/max_model.py --nvme-path DIR
     python benchmarks/max_model.py --nvme-path DIR --plan-only   # the sizes it would train, nothing written
     python benchmarks/max_model.py --nvme-path DIR --rederive    # the last JSON's estimates again, and its plot
+    python benchmarks/max_model.py --nvme-path DIR --modes compact --keep-others  # rerun one mode only
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ RSS_SHARE = 0.5  # of the RAM: the peak RSS the issue allows
 PLAIN_BYTES = 16  # plain PyTorch AdamW in fp32: weights, gradients, two states
 MODES = {
     "fp32 states": {},
-    "compact": {"optimizer_state_dtype": "int8", "offloaded_gradient_dtype": "bf16"},
+    "compact": {"optimizer_state_dtype": "int8", "offloaded_gradient_dtype": "bf16", "offloaded_master": "split"},
 }
 SHAPE_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
@@ -134,6 +136,22 @@ def rederive(path: str) -> None:
     with open(path + ".json", "w") as f:
         json.dump(report, f, indent=1)
     plot(report, path + ".png")
+
+
+def kept_runs(path: str, rerun: list[str]) -> list[dict]:
+    """The last JSON's runs of the modes not rerun, each with the machine and aio-bench figures it was measured
+    with (the report's own are this invocation's)."""
+    if not os.path.exists(path + ".json"):
+        return []
+    with open(path + ".json") as f:
+        previous = json.load(f)
+    kept = []
+    for run in previous["runs"]:
+        if run["mode"] not in rerun:
+            run.setdefault("earlier_invocation", {"machine": previous["machine"],
+                                                  "aio_bench_gbps": previous["aio_bench_gbps"]})  # fmt: skip
+            kept.append(run)
+    return kept
 
 
 def aio_speeds(folder: str) -> dict:
@@ -296,6 +314,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a width-256 Llama instead of the 8B's: checks the code")
     parser.add_argument("--out", default=os.path.join(RESULTS, "max_model"), help="JSON/PNG path stem")
     parser.add_argument("--rederive", action="store_true", help="recompute the last JSON's estimates and plot")
+    parser.add_argument("--keep-others", action="store_true",
+                        help="keep the last JSON's runs of the modes not in --modes (each marked with the machine "
+                             "and aio-bench figures of the invocation that measured it)")  # fmt: skip
     args = parser.parse_args()
     if args.rederive:
         rederive(args.out)
@@ -342,6 +363,9 @@ def main() -> int:
                   f"({r['swap_over_ram']:.2f}x RAM, {r['swap_bytes_per_parameter']:.1f} B/param), peak RSS "
                   f"{r['peak_rss_bytes'] / GIB:.2f} GiB, median step {r['median_step_s']:.1f} s",
                   flush=True)  # fmt: skip
+    if args.keep_others:
+        runs = kept_runs(args.out, args.modes) + runs
+        runs.sort(key=lambda run: list(MODES).index(run["mode"]))
     report = {
         "benchmark": "max_model", "machine": machine, "aio_bench_gbps": speeds, "steps": args.steps,
         "seq_len": args.seq_len, "host_budget_bytes": budget, "smoke": args.smoke,
