@@ -46,7 +46,7 @@ from infinity.zero.compact import STATE_BYTES
 from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.partition import layout_from_runs
 from infinity.zero.partition import plan as partition_plan
-from infinity.zero.split_master import master_width
+from infinity.zero.split_master import MasterSplitter, master_width
 
 
 class Where(enum.Enum):
@@ -343,8 +343,8 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
                 rows.append(Row("buffers", "decoded gradient of one tile", Where.HOST, tile * 4))
     if offload_opt.enabled and split:  # the tile stepping's master, joined (zero/split_master.py)
         tile = min(plan.tile_numel, max(layout.runs, default=0))
-        per_element = 4 + 4 + (2 if cuda else 0)  # fp32, int32, and the bf16 weight copied from the device
-        rows.append(Row("buffers", "joined split master of one tile", Where.HOST, tile * per_element))
+        rows.append(Row("buffers", "joined split master of one tile", Where.HOST,
+                        tile * MasterSplitter.BYTES_PER_ELEMENT))  # fmt: skip
     if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
         tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,

@@ -310,6 +310,7 @@ class StateMap:
         finally:
             for handle in ahead.values():
                 manager.release(handle, dirty=False)
+            tiled.end_visit()  # a copy of the weights taken to join split masters goes
         manager.flush()
 
     # ---- per-group scalars ----

@@ -286,11 +286,19 @@ class TierManager:
 
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
-        spec = self._specs[name]
+        self.finish_read(name, self.start_read(name, out))
+
+    def start_read(self, name: str, out: torch.Tensor) -> SegmentRequest:
+        """Starts reading an NVMe segment straight into ``out``, which the caller keeps untouched until
+        ``finish_read(name, request)``."""
         self._check_not_held(name, "reading it")
         self.reap_loose_writes()
         self.settle(name)
-        self._wait(self.store.read(name, out), "nvme_read", spec.nbytes, outsized=not self.fits(name))
+        return self.store.read(name, out)
+
+    def finish_read(self, name: str, request: SegmentRequest) -> None:
+        """Waits for a read ``start_read`` began (a failed one raises here), counted in the traffic."""
+        self._wait(request, "nvme_read", self._specs[name].nbytes, outsized=not self.fits(name))
 
     def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
         """Write of ``values`` into an NVMe segment. Without ``block`` it runs behind the caller (a loose write),

@@ -79,6 +79,7 @@ class PartitionedOptimizer:
             pipeline_write=offload.pipeline_write, masters=masters,
             codecs=codecs_for(offload.state_dtype, rule.states, type(optimizer).__name__),
             split_masters=self._tile_current_weight if offload.master_layout == "split" else None,
+            forget_weights=self._forget_current_weights,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["params"] = []  # the masters live in the tiles; the groups keep the hyperparameters
@@ -88,6 +89,9 @@ class PartitionedOptimizer:
     def _tile_current_weight(self, tile) -> torch.Tensor:
         """The tile's compute-dtype weights as they are now, read only (split masters join with them)."""
         raise NotImplementedError
+
+    def _forget_current_weights(self) -> None:
+        """Lets go of any copy ``_tile_current_weight`` keeps."""
 
     def _tiles_as_parameters(self) -> None:
         """A rule without its own update: the user's optimizer gets each tile's master as a parameter."""

@@ -28,7 +28,8 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   size, are the plan's (``place_parameters``), so `infinity estimate` counts what this keeps.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
 writes it (asynchronously, behind the next tiles). Where the step reads the pieces (split masters), it stages
-the next units' pieces as it goes, and ``edit`` takes a staged read as it is. Read-ahead copies are dropped at
+the next units' pieces from the end of backward and as it goes (an outsized one into the host buffer its edit
+takes, one at a time), and ``edit`` takes a staged read as it is. Read-ahead copies are dropped at
 the end of every pass, so a staged piece is never older than the one on disk.
 """
 
@@ -99,6 +100,8 @@ class UnitShards:
         self.outsized_spare_budget = 0
         self.outsized_made = 0  # such buffers allocated rather than reused, since the start (zero_stats)
         self.version = 0  # counts writes (store, edit, commit): a copy taken at one version is current until it moves
+        # an outsized piece read ahead for the step's edit (split masters): its buffer and the read in flight
+        self._reading: dict[int, tuple[torch.Tensor, object]] = {}
         if home is Tier.NVME:
             movable = [(b.index, b.piece_numel) for b in layout.buckets if b.index not in persistent]
             placement = place_parameters(movable, itemsize=dtype.itemsize, host_numel=host_numel,
@@ -150,6 +153,11 @@ class UnitShards:
             event = self.copies.copy(out, source)
             if event is not None:  # a non-blocking copy from the host piece, which the step rewrites in place
                 self._copying[index] = event
+        elif index in self._reading:  # read ahead for the step's edit: taken from there
+            piece = self._landed(index)
+            self.copies.copy(out, piece)
+            self._outsized_spares.append(piece if piece._base is None else piece._base)
+            self._recycle_outsized()
         elif index in self._fresh:  # its write may still be reading it: reused once that has landed
             piece = self._fresh.pop(index)
             self.copies.copy(out, piece, then_reuse_source=True)
@@ -162,12 +170,17 @@ class UnitShards:
         else:
             self.manager.read_into(self._name(index), out)
 
-    def stage(self, index: int) -> bool:
-        """Start reading the piece ahead (NVMe home); False when no staging buffer is free."""
+    def stage(self, index: int, *, for_edit: bool = False) -> bool:
+        """Start reading the piece ahead (NVMe home); False when no staging buffer is free. An outsized piece is
+        read on demand, straight into its gathered buffer; ``for_edit`` (the step's edits that read the piece
+        first): into the host buffer its edit takes, one such piece at a time."""
         if self.flat is not None or index in self._resident or index in self._staged:
             return True
         if not self.manager.fits(self._name(index)):
-            return True  # outsized: read on demand, straight into its gathered buffer
+            if for_edit and not self._reading and index not in self._fresh and index not in self._editing_outsized:
+                piece = self._outsized_buffer(self.layout.buckets[index].piece_numel)
+                self._reading[index] = (piece, self.manager.start_read(self._name(index), piece))
+            return True
         handle = self.manager.acquire(self._name(index), block=False)
         if handle is None:
             return False
@@ -179,7 +192,22 @@ class UnitShards:
         for handle in self._staged.values():
             self.manager.release(handle, dirty=False)
         self._staged.clear()
+        self._drop_reading()
         self._drop_fresh()
+
+    def _landed(self, index: int) -> torch.Tensor:
+        """The outsized piece read ahead, once its read has landed."""
+        piece, request = self._reading.pop(index)
+        self.manager.finish_read(self._name(index), request)
+        return piece
+
+    def _drop_reading(self, index: int | None = None) -> None:
+        """Outsized pieces read ahead and not taken: their buffers become spares once the reads have landed."""
+        for unit in list(self._reading) if index is None else [index] if index in self._reading else []:
+            piece = self._landed(unit)
+            self._outsized_spares.append(piece if piece._base is None else piece._base)
+        if self.manager is not None:
+            self._recycle_outsized()
 
     def _drop_fresh(self, index: int | None = None) -> None:
         for unit in list(self._fresh) if index is None else [index] if index in self._fresh else []:
@@ -238,6 +266,7 @@ class UnitShards:
         self.version += 1
         if index in self._staged:
             self.manager.release(self._staged.pop(index), dirty=False)
+        self._drop_reading(index)
         self._drop_fresh(index)
         if index in self._resident:
             self._resident[index].copy_(values)
@@ -261,6 +290,10 @@ class UnitShards:
                 if index in self._fresh:
                     self.manager.settle(self._name(index))
                     piece = self._fresh.pop(index)
+                elif index in self._reading:  # read ahead (the step's split masters)
+                    piece = self._landed(index)
+                    if overwrite:
+                        piece[self.held_numel(index) :].zero_()
                 else:
                     piece = self._outsized_buffer(self.layout.buckets[index].piece_numel)
                     if overwrite:
@@ -343,6 +376,9 @@ class UnitShards:
     def close(self) -> None:
         for index in list(self._copying):
             self._copied(index)
+        for _, request in self._reading.values():
+            request.wait()  # its buffer is freed below: the read must not land in freed memory
+        self._reading.clear()
         self._staged.clear()
         self._fresh.clear()
         self._outsized_behind.clear()

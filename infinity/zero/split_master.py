@@ -12,10 +12,12 @@ residual. Stages 1-2 hold the weights in memory; at stage 3 the step reads each 
 Exact except for one case: a master whose low 16 bits are exactly 0x8000 and whose bf16 rounding went down (a
 tie, to even) has residual +0x8000, one more than 16 signed bits hold; it is stored as 0x7FFF, which moves that
 master by one fp32 ulp (2^-24 of its value) toward zero. The bf16 weight is unchanged (both round to the same
-value), so the forward sees the same weights as with fp32 masters; only such a master, about one in 65536 per
-step, drifts by that ulp. Any other writer of the weights (checkpoint load, a partitioned-state set, zero.Init
-values) rounds with torch's same rule, so a residual split from the same fp32 value always matches the weight
-it is joined with again.
+value), so the forward sees the same weights as with fp32 masters; only such a master, about one in 131072 per
+step, drifts by that ulp (and may later round to another weight: long runs drift apart by roundings). Any other
+writer of the weights (checkpoint load, a partitioned-state set, zero.Init values) rounds with torch's same
+rule, so a residual split from the same fp32 value always matches the weight it is joined with again. A weight
+written directly (``param.data`` at stages 0-2, between steps) is joined with the old residual: it becomes part
+of the master, where fp32 masters would overwrite it at the next step.
 """
 
 from __future__ import annotations
@@ -49,19 +51,20 @@ class MasterSplitter:
     numel: int  # the widest tile
     master: torch.Tensor = field(init=False)  # the joined fp32 master of the tile in hand
     _bits: torch.Tensor = field(init=False)  # int32: the residual before it is narrowed
-    _high: torch.Tensor | None = None  # bf16: the weight where it is not in host memory (made when first needed)
+    _high: torch.Tensor = field(init=False)  # bf16: a first value's rounding, or a weight not in host memory
 
     def __post_init__(self) -> None:
         self.master = torch.empty(self.numel, dtype=torch.float32)
         self._bits = torch.empty(self.numel, dtype=torch.int32)
+        self._high = torch.empty(self.numel, dtype=torch.bfloat16)
+
+    BYTES_PER_ELEMENT = 4 + 4 + 2  # its workspaces, per element of the widest tile (infinity estimate counts them)
 
     def _weight_bits(self, weight: torch.Tensor | None, master: torch.Tensor | None = None) -> torch.Tensor:
         """The bf16 weight's bits as int16: the weight itself where it is a host bf16 tensor, else a copy (of
         ``master`` rounded, when no weight is given)."""
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             return weight.view(torch.int16)
-        if self._high is None:
-            self._high = torch.empty(self.numel, dtype=torch.bfloat16)
         high = self._high[: (master if weight is None else weight).numel()]
         high.copy_(master if weight is None else weight)  # torch's rounding: the weight every writer stores
         return high.view(torch.int16)
@@ -76,8 +79,11 @@ class MasterSplitter:
         return out
 
     def split(self, master: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """``residual`` (int16) <- ``master``'s low bits against its bf16 rounding: ``weight`` where the caller
-        has just written it from ``master``, else rounded here. ``master`` (fp32) is left as it was."""
+        """``residual`` (int16, host) <- ``master``'s low bits against its bf16 rounding: ``weight`` where the
+        caller has just written it from ``master``, else rounded here. ``master`` (fp32, any device: a first value
+        comes from the compute device) is left as it was."""
+        if master.device.type != "cpu":
+            master = self.master[: master.numel()].copy_(master)
         bits = self._bits[: master.numel()]
         torch.sub(master.view(torch.int32), self._weight_bits(weight, master), alpha=1 << 16, out=bits)
         residual.copy_(bits.clamp_(RESIDUAL_MIN, RESIDUAL_MAX))  # the one tie that does not fit: [Note]

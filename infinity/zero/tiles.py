@@ -148,13 +148,15 @@ class TiledStep:
         masters: Callable[[Tile], torch.Tensor] | None = None,
         codecs: Sequence[StateCodec] | None = None,
         split_masters: Callable[[Tile], torch.Tensor] | None = None,
+        forget_weights: Callable[[], None] | None = None,
     ) -> None:
         """``gradients``: a SwappedGradients (grads.py) when the gradient is on NVMe too; it is read ahead with
         the tiles, and ``grads`` is not used. ``masters``: where the tile's fp32 master already lives, when the
         weights are fp32 in memory (the master is the weight: no copy, and the segment holds only the states).
         ``codecs``: how each state is stored ([Note: compact states] in compact.py); None or all fp32: as is.
         ``split_masters``: the masters are stored as residuals beside the bf16 weights ([Note: split masters] in
-        split_master.py); it gives a tile's current weights outside the step (read only, may be a copy)."""
+        split_master.py); it gives a tile's current weights outside the step (read only, may be a copy, which
+        ``forget_weights`` lets go of once a visit of the tiles ends)."""
         self.tiles = tiles
         self.gradients = gradients
         self.masters = masters
@@ -169,6 +171,7 @@ class TiledStep:
         if split_masters is not None and (masters is not None or codecs is None or rule.update is None):
             raise ConfigError("split masters need bf16 weights and the optimizer offloaded (its step runs on tiles)")
         self.current_weights = split_masters
+        self._forget_weights = forget_weights
         self.splitter: MasterSplitter | None = None
         compact = codecs is not None and (split_masters is not None or any(c.name != "fp32" for c in codecs))
         self.codecs: list[StateCodec] | None = list(codecs) if compact else None
@@ -182,7 +185,8 @@ class TiledStep:
             master_width = 0 if masters else 0.5 if split_masters else 1
             self.width = master_width + sum(codec.bytes_per_element for codec in self.codecs) / 4
             widest = max((tile.numel for tile in tiles), default=0)
-            self._decoded = torch.empty(len(self.codecs) * widest)  # the states of the tile stepping, in fp32
+            decoded = sum(codec.name != "fp32" for codec in self.codecs)  # fp32 ones are stepped in place
+            self._decoded = torch.empty(len(self.codecs) * widest if decoded else 0)  # the tile's states, in fp32
             if split_masters is not None:
                 self.splitter = MasterSplitter(widest)  # before the segments: it sets their layout
             for tile in tiles:
@@ -270,10 +274,14 @@ class TiledStep:
         if self.codecs is None:
             first = 0 if self.masters is not None else 1
             return [segment[(first + k) * n : (first + k + 1) * n] for k in range(len(self.rule.states))]
-        decoded = [self._decoded[k * n : (k + 1) * n] for k in range(len(self.codecs))]
-        for codec, stored, out in zip(self.codecs, self._stored_states(tile, segment), decoded, strict=True):
-            codec.decode(stored, out)
-        return decoded
+        states = []
+        for k, (codec, stored) in enumerate(zip(self.codecs, self._stored_states(tile, segment), strict=True)):
+            if codec.name == "fp32":  # beside a split master: the stored bytes are the state itself
+                states.append(stored[: 4 * n].view(torch.float32))
+                continue
+            states.append(self._decoded[k * n : (k + 1) * n])
+            codec.decode(stored, states[-1])
+        return states
 
     def store_states(self, tile: Tile, segment: torch.Tensor, states: list[torch.Tensor], *,
                      step: int | None = None) -> None:  # fmt: skip
@@ -287,7 +295,8 @@ class TiledStep:
             generator = self._rounding
             generator.manual_seed((tile.index << 24) + step)
         for codec, stored, values in zip(self.codecs, self._stored_states(tile, segment), states, strict=True):
-            codec.encode(values, stored, generator)
+            if codec.name != "fp32":  # an fp32 state was changed in place (states_of)
+                codec.encode(values, stored, generator)
 
     def prefetch(self) -> None:
         """Start reading the first tiles (as many as free buffers allow, never blocking)."""
@@ -375,24 +384,37 @@ class TiledStep:
         """Copies every tile's master into ``into(tile)`` (an fp32 view): for checkpoints and tests."""
         self._visit(lambda tile, master: into(tile).copy_(master), dirty=False)
 
-    def edit_masters(self, tiles: list[Tile], edit: Callable[[Tile, torch.Tensor], None]) -> None:
+    def edit_masters(self, tiles: list[Tile], edit: Callable[[Tile, torch.Tensor], None],
+                     weights: Callable[[Tile], torch.Tensor] | None = None) -> None:  # fmt: skip
         """``edit(tile, master)`` changes the masters of ``tiles`` in place (edited weights); no other tile is
-        read."""
-        self._visit(edit, dirty=True, tiles=tiles)
+        read. ``weights``: the tiles' weights where the caller has them (split masters join with them)."""
+        self._visit(edit, dirty=True, tiles=tiles, weights=weights)
 
-    def _visit(self, fn, *, dirty: bool, tiles: list[Tile] | None = None) -> None:
+    def _visit(self, fn, *, dirty: bool, tiles: list[Tile] | None = None,
+               weights: Callable[[Tile], torch.Tensor] | None = None) -> None:  # fmt: skip
+        """``fn(tile, master)`` on each tile; ``weights``: where a split master's weights are, if not the
+        current ones."""
         self.drop_ahead()
-        for tile in self.tiles if tiles is None else tiles:
-            handle = self.manager.acquire(tile.name)
-            try:
-                segment = handle.wait()
-                master = self._master(tile, segment)
-                fn(tile, master)
-                if dirty:
-                    self.store_master(tile, segment, master)
-            finally:
-                self.manager.release(handle, dirty=dirty)
+        try:
+            for tile in self.tiles if tiles is None else tiles:
+                handle = self.manager.acquire(tile.name)
+                try:
+                    segment = handle.wait()
+                    master = self._master(tile, segment, None if weights is None else weights(tile))
+                    fn(tile, master)
+                    if dirty:
+                        self.store_master(tile, segment, master)
+                finally:
+                    self.manager.release(handle, dirty=dirty)
+        finally:
+            self.end_visit()
         self.manager.flush()
+
+    def end_visit(self) -> None:
+        """A visit of the tiles outside the step ended: a copy of the weights taken to join masters goes (the
+        pieces may change before the next one)."""
+        if self._forget_weights is not None:
+            self._forget_weights()
 
     def drop_ahead(self) -> None:
         for handle in self._ahead.values():

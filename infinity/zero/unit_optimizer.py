@@ -174,7 +174,7 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def _tile_current_weight(self, tile: Tile) -> torch.Tensor:
         """The tile's elements of its unit's piece as it is now: a copy of the piece, kept while the tiles of one
-        unit are visited in turn (a checkpoint's blocks) and no piece is written."""
+        unit are visited in turn (a checkpoint's blocks) and no piece is written, let go when the visit ends."""
         shards = self.table.shards
         key = (tile.piece, shards.version)
         if self._read_piece is None or self._read_piece[0] != key:
@@ -186,7 +186,8 @@ class UnitOptimizer(PartitionedOptimizer):
     def _step_tiles(self) -> None:
         last = self._last_tile
         self._read_piece = None
-        # Split masters join with the pieces: read the next units' pieces ahead, as the forward does
+        # Split masters join with the pieces: read the next units' pieces ahead (from prefetch_states on), as the
+        # forward does
         order = list(self._tiles_of_unit) if self.tiled.splitter is not None else []
         self._stage_pieces(order)
 
@@ -199,6 +200,15 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
         self._regather_persistent()
 
+    def prefetch_states(self) -> None:
+        """At the end of the boundary's backward: the first tiles' reads, and (split masters) the first pieces'."""
+        super().prefetch_states()
+        if self.tiled.splitter is not None:
+            self._stage_pieces(list(self._tiles_of_unit))
+
+    def _forget_current_weights(self) -> None:
+        self._read_piece = None
+
     def _stage_pieces(self, units: list[int]) -> None:
         """Starts reading the pieces of ``units`` in order, as far as free staging buffers go (never blocking:
         the ones not staged are read when the step edits them)."""
@@ -206,7 +216,7 @@ class UnitOptimizer(PartitionedOptimizer):
         if shards.flat is not None:
             return
         for unit in units:
-            if not shards.stage(unit):
+            if not shards.stage(unit, for_edit=True):
                 return
 
     def _regather_persistent(self) -> None:
@@ -229,7 +239,11 @@ class UnitOptimizer(PartitionedOptimizer):
             changed = new != old
             master[changed] = new[changed].float()
 
-        self.tiled.edit_masters([t for t in self.tiled.tiles if t.piece == unit.index], edit)
+        def weights(tile: Tile) -> torch.Tensor:
+            first = tile.start - start
+            return piece[first : first + tile.numel]
+
+        self.tiled.edit_masters([t for t in self.tiled.tiles if t.piece == unit.index], edit, weights)
 
     def zero_grad(self) -> None:
         self._grad_factors.clear()

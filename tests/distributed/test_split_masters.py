@@ -58,25 +58,29 @@ def build(odd: bool = False) -> nn.Module:
     return nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
 
 
-def config(nvme, *, stage: int, master: str, device: str, bf16: bool = True) -> dict:
+def config(nvme, *, stage: int, master: str, device: str, bf16: bool = True, outsized: bool = False) -> dict:
     """AdamW with int8 states (the compact mode). At stage 3 on NVMe the parameters are there too, none kept in
-    host memory: the step reads every piece back to join its masters."""
+    host memory: the step reads every piece back to join its masters. ``outsized``: staging buffers of 10,000
+    elements, so the 256 x 256 layer's piece is read outside the ring (ahead of its edit, into a host buffer)."""
     offload = {"device": device, "nvme_path": str(nvme)} if device == "nvme" else {"device": device}
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "offload_optimizer": offload}
     if stage == 3 and device == "nvme":
         zero["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
+        if outsized:
+            zero["offload_param"]["buffer_size"] = 10_000
     return {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "bf16": {"enabled": bf16},
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}, "zero_optimization": zero,
             "infinity": {"offloaded_master": master, "optimizer_state_dtype": "int8"}}  # fmt: skip
 
 
 def train(nvme, *, master: str, stage: int = 3, device: str = "nvme", rank: int = 0, world_size: int = 1,
-          odd: bool = False, save=None, load=None, edit: bool = False) -> dict:  # fmt: skip
+          odd: bool = False, save=None, load=None, edit: bool = False, outsized: bool = False) -> dict:  # fmt: skip
     """Losses of steps [resumed step, STEPS); the fp32 masters after them, the tiles' bytes. ``save``: a
     checkpoint after half the steps; ``load``: resumed from one. ``edit``: after half the steps every weight is
     set to a tenth of itself through GatheredParameters, as a user's surgery would."""
     os.makedirs(nvme, exist_ok=True)
-    engine, *_ = infinity.initialize(model=build(odd), config=config(nvme, stage=stage, master=master, device=device))
+    cfg = config(nvme, stage=stage, master=master, device=device, outsized=outsized)
+    engine, *_ = infinity.initialize(model=build(odd), config=cfg)
     if load is not None:
         engine.load_checkpoint(load)
     losses = []
@@ -109,7 +113,7 @@ def assert_same_training(got: dict, want: dict) -> None:
         assert torch.allclose(mine, theirs, rtol=2**-22, atol=0)
 
 
-@pytest.mark.parametrize(("stage", "device"), [(3, "nvme"), (2, "cpu")])
+@pytest.mark.parametrize(("stage", "device"), [(3, "nvme"), (3, "cpu"), (2, "cpu")])
 def test_split_masters_train_as_fp32_masters_in_fewer_bytes(stage, device, tmp_path):
     """Bitwise losses; the tiles store 2 + 2 x 1.0625 bytes an element instead of 4 + 2 x 1.0625, and on NVMe
     the plan (the disk check's and `infinity estimate`'s arithmetic) counts the file the tiles take."""
@@ -122,6 +126,21 @@ def test_split_masters_train_as_fp32_masters_in_fewer_bytes(stage, device, tmp_p
         for run in (got, want):
             assert run["optimizer_file"] <= run["planned"] <= run["optimizer_file"] + 6 * 4096
         assert got["optimizer_file"] < want["optimizer_file"]
+
+
+def test_an_outsized_piece_is_read_ahead_of_its_edit(tmp_path, monkeypatch):
+    """Stage 3 on NVMe with a piece larger than the staging buffers: the step reads it into the host buffer its
+    edit takes, started at the end of backward (one such read each step), and trains as fp32 masters do."""
+    from infinity.zero.shards import UnitShards
+
+    landed = []
+    original = UnitShards._landed
+    monkeypatch.setattr(UnitShards, "_landed", lambda self, index: landed.append(index) or original(self, index))
+    want = train(tmp_path / "fp32", master="fp32", outsized=True)
+    assert not landed
+    got = train(tmp_path / "split", master="split", outsized=True)
+    assert_same_training(got, want)
+    assert len(landed) == STEPS and len(set(landed)) == 1, landed
 
 
 def test_an_edit_of_the_weights_reaches_split_masters(tmp_path):
@@ -142,6 +161,37 @@ def test_a_split_master_checkpoint_resumes_bitwise(tmp_path):
         assert resumed["losses"] == whole["losses"][STEPS // 2 :], odd
         for mine, theirs in zip(resumed["masters"], whole["masters"], strict=True):
             assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("device", ["nvme", "cpu"])
+def test_a_weights_only_load_gives_the_checkpoints_masters(device, tmp_path):
+    """A model built under zero.Init, stage 3 (its pieces on NVMe, or in memory with the optimizer in host
+    memory): saved after 3 steps, trained 3 more, then loaded without optimizer states. The fp32 masters read
+    back are the saved ones, bit for bit: each joined with the weight loaded beside it, not with a copy of the
+    piece taken before the load's reads landed."""
+    cfg = config(tmp_path, stage=3, master="split", device=device)
+    with infinity.zero.Init(config=cfg):
+        model = build()
+    engine, *_ = infinity.initialize(model=model, config=cfg)
+
+    def steps(count: int) -> None:
+        for step in range(count):
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(step))
+            engine.backward(((engine(x).float() - torch.sin(3 * x[:, :4])) ** 2).mean())
+            engine.step()
+
+    steps(3)
+    saved = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    engine.save_checkpoint(tmp_path / "ckpt")
+    steps(3)
+    moved = [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    assert not any(torch.equal(a, b) for a, b in zip(saved, moved, strict=True))
+    engine.load_checkpoint(tmp_path / "ckpt", load_optimizer_states=False)
+    # the last parameters first: the load's last unit is the one a copy taken too early would still be kept of
+    loaded = [safe_get_full_fp32_param(p) for p in reversed(list(engine.module.parameters()))]
+    for got, want in zip(loaded, reversed(saved), strict=True):
+        assert torch.equal(got, want)
+    engine.destroy()
 
 
 def _both_layouts(*, rank: int, world_size: int, tmp: str) -> dict:
