@@ -5,12 +5,12 @@
 # 1. tests/gpu (at most 3.5 minutes): parity with plain PyTorch at stages 2-3 on the device and offloaded; the
 #    reduced gradient streamed to pinned host memory (device peak below the gradient shard); zero.Init pieces in
 #    host memory as modules are built; host pieces rewritten by the step only after their copy to the device;
-#    stage-in copies on the side stream; NVMe gradients; over NCCL (two GPUs), fetches and reductions issued in
-#    one order on every rank.
+#    stage-in copies on the side stream; NVMe gradients; split masters joined with device weights; over NCCL
+#    (two GPUs), fetches and reductions issued in one order on every rank.
 # 2. aio into and out of CUDA tensors, beside pinned host tensors (benchmarks/gpu/aio_cuda.py).
 # 3. offload_step.py at world size 1: stage 3 with host offload and with NVMe offload.
-# 4. max_model.py sized to this machine's disk and RAM, compact mode, one layer of the 8B shape (1.27B
-#    parameters, so it fits the time), trained 2 steps.
+# 4. max_model.py sized to this machine's disk and RAM, compact mode (int8 states, bf16 gradient, split masters),
+#    one layer of the 8B shape (1.27B parameters, so it fits the time), trained 2 steps.
 # The time boxes add up to 7 minutes (210 + 30 + 75 + 105 s); the venv and the C core's build take seconds.
 # Then one summary table (benchmarks/gpu/summary.py). A check that runs out of time is reported missing and the
 # others still run.

@@ -61,12 +61,13 @@ class MasterSplitter:
     BYTES_PER_ELEMENT = 4 + 4 + 2  # its workspaces, per element of the widest tile (infinity estimate counts them)
 
     def _weight_bits(self, weight: torch.Tensor | None, master: torch.Tensor | None = None) -> torch.Tensor:
-        """The bf16 weight's bits as int16: the weight itself where it is a host bf16 tensor, else a copy (of
-        ``master`` rounded, when no weight is given)."""
+        """The bf16 weight's bits as int16: the weight itself where it is a host bf16 tensor; else ``master``
+        rounded here (the split: what any writer stores), or a host copy of the weight (the join)."""
         if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             return weight.view(torch.int16)
-        high = self._high[: (master if weight is None else weight).numel()]
-        high.copy_(master if weight is None else weight)  # torch's rounding: the weight every writer stores
+        source = master if master is not None else weight
+        high = self._high[: source.numel()]
+        high.copy_(source)  # torch's rounding, or the device's weight brought to the host
         return high.view(torch.int16)
 
     def join(self, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

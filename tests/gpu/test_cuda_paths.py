@@ -133,6 +133,32 @@ def test_offload_on_cuda_matches_plain_pytorch(tmp_path, optimizer_device, param
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("stage", "param_device"), [(2, "none"), (3, "none"), (3, "nvme")])
+def test_split_masters_on_cuda_train_as_fp32_masters(tmp_path, stage, param_device):
+    """bf16 weights on the device (or their pieces on NVMe), the optimizer in host memory with split masters
+    ([Note: split masters]): the first values come from the device and are split on the host, the step joins
+    each master with its weights copied device -> host; the losses are fp32 masters' (the same weights)."""
+
+    def run(master: str) -> list[float]:
+        zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        if param_device == "nvme":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+        cfg = {**config(stage, **zero), "bf16": {"enabled": True}, "infinity": {"offloaded_master": master}}
+        engine, *_ = infinity.initialize(model=mlp(), config=cfg)
+        losses = []
+        for x, y in batches():
+            loss = F.mse_loss(engine(x).float(), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        return losses
+
+    want, got = run("fp32"), run("split")
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b), (got, want)  # cuBLAS may differ run to run; the weights do not
+
+
 @pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 def test_stage_in_copies_run_on_the_side_stream(tmp_path, monkeypatch, param_device):
     """[Note: copy stream]: every host -> device copy of a parameter piece from host memory (a staging buffer, the
