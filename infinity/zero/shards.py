@@ -28,8 +28,8 @@ The rank's shard is its piece of every unit, in the compute dtype ([Note: units]
   size, are the plan's (``place_parameters``), so `infinity estimate` counts what this keeps.
 After the optimizer step the updated pieces go back: ``edit(unit)`` gives a writable piece, ``commit(unit)``
 writes it (asynchronously, behind the next tiles). Where the step reads the pieces (split masters), it stages
-the next units' pieces from the end of backward and as it goes (an outsized one into the host buffer its edit
-takes, one at a time), and ``edit`` takes a staged read as it is. Read-ahead copies are dropped at
+the next units' pieces as it goes (an outsized one into the host buffer its edit takes, one at a time), and
+``edit`` takes a staged read as it is; a step that fails gives back what it staged. Read-ahead copies are dropped at
 the end of every pass, so a staged piece is never older than the one on disk.
 """
 
@@ -153,9 +153,9 @@ class UnitShards:
             event = self.copies.copy(out, source)
             if event is not None:  # a non-blocking copy from the host piece, which the step rewrites in place
                 self._copying[index] = event
-        elif index in self._reading:  # read ahead for the step's edit: taken from there
+        elif index in self._reading:  # read ahead for the step's edit: taken from there, then a spare
             piece = self._landed(index)
-            self.copies.copy(out, piece)
+            self.copies.copy(out, piece, then_reuse_source=True)
             self._outsized_spares.append(piece if piece._base is None else piece._base)
             self._recycle_outsized()
         elif index in self._fresh:  # its write may still be reading it: reused once that has landed
@@ -192,8 +192,10 @@ class UnitShards:
         for handle in self._staged.values():
             self.manager.release(handle, dirty=False)
         self._staged.clear()
-        self._drop_reading()
-        self._drop_fresh()
+        try:
+            self._drop_reading()
+        finally:
+            self._drop_fresh()
 
     def _landed(self, index: int) -> torch.Tensor:
         """The outsized piece read ahead, once its read has landed."""
@@ -376,9 +378,14 @@ class UnitShards:
     def close(self) -> None:
         for index in list(self._copying):
             self._copied(index)
-        for _, request in self._reading.values():
-            request.wait()  # its buffer is freed below: the read must not land in freed memory
-        self._reading.clear()
+        reading, self._reading = list(self._reading.values()), {}
+        try:
+            for _, request in reading:
+                request.wait()  # its buffer is freed below: the read must not land in freed memory
+        finally:
+            self._release_all()
+
+    def _release_all(self) -> None:
         self._staged.clear()
         self._fresh.clear()
         self._outsized_behind.clear()

@@ -186,8 +186,9 @@ class UnitOptimizer(PartitionedOptimizer):
     def _step_tiles(self) -> None:
         last = self._last_tile
         self._read_piece = None
-        # Split masters join with the pieces: read the next units' pieces ahead (from prefetch_states on), as the
-        # forward does
+        # Split masters join with the pieces: read the next units' pieces ahead as the step goes, as the forward
+        # does. Not from the end of backward: staged pieces hold ring buffers that anything editing a piece before
+        # the step (a partitioned-state set, a checkpoint load) would wait for in vain.
         order = list(self._tiles_of_unit) if self.tiled.splitter is not None else []
         self._stage_pieces(order)
 
@@ -197,14 +198,13 @@ class UnitOptimizer(PartitionedOptimizer):
                 if order:
                     self._stage_pieces(order[order.index(tile.piece) + 1 :])
 
-        self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
+        try:
+            self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
+        except BaseException:
+            if order:
+                self.table.shards.unstage_all()  # the ring's buffers back, for whatever runs next
+            raise
         self._regather_persistent()
-
-    def prefetch_states(self) -> None:
-        """At the end of the boundary's backward: the first tiles' reads, and (split masters) the first pieces'."""
-        super().prefetch_states()
-        if self.tiled.splitter is not None:
-            self._stage_pieces(list(self._tiles_of_unit))
 
     def _forget_current_weights(self) -> None:
         self._read_piece = None
