@@ -330,10 +330,10 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             rows.append(Row("buffers", f"new weights' gathers in flight ({MAX_TILE_GATHERS} of {n} x {part:,} "
                             "elements)", Where.DEVICE, MAX_TILE_GATHERS * n * part * width))  # fmt: skip
 
-    # ---- the optimizer's NVMe rings: buffers of the largest tile (tiles never cross a unit or a bucket) ----
+    # ---- the optimizer's NVMe rings and workspaces: the largest tile (tiles never cross a unit or a bucket) ----
+    tile = min(plan.tile_numel, max(layout.runs, default=0))
     if offload_opt.device == "nvme":
         count = plan.optimizer_buffers
-        tile = min(plan.tile_numel, max(layout.runs, default=0))
         ring_home = _home("cpu", offload_opt.pin_memory, cuda=cuda)
         rows.append(Row("buffers", f"optimizer staging ring ({count} tiles of {tile:,} elements)", ring_home,
                         int(count * tile * state_width * 4)))  # fmt: skip
@@ -342,11 +342,9 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
             if plan.gradient_itemsize != 4:  # the tile stepping's gradient, in fp32 (zero/grads.py)
                 rows.append(Row("buffers", "decoded gradient of one tile", Where.HOST, tile * 4))
     if offload_opt.enabled and split:  # the tile stepping's master, joined (zero/split_master.py)
-        tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", "joined split master of one tile", Where.HOST,
                         tile * MasterSplitter.BYTES_PER_ELEMENT))  # fmt: skip
     if offload_opt.enabled and state_dtype != "fp32":  # the tile stepping's states, decoded (zero/tiles.py)
-        tile = min(plan.tile_numel, max(layout.runs, default=0))
         rows.append(Row("buffers", f"decoded {state_dtype} optimizer states of one tile", Where.HOST,
                         tile * momentum_states * 4))  # fmt: skip
 

@@ -172,8 +172,7 @@ class ZeroOptimizer(PartitionedOptimizer):
     def _tile_weight(self, tile: Tile) -> torch.Tensor:
         return self._piece_view(tile)
 
-    def _tile_current_weight(self, tile: Tile) -> torch.Tensor:
-        return self._piece_view(tile)
+    _tile_current_weight = _tile_weight  # the flat weights are in memory: no copy to keep
 
     def _step_tiles(self) -> None:
         """Each tile's new weights are all-gathered from every rank as soon as it has stepped, behind the following

@@ -156,7 +156,7 @@ class UnitShards:
         elif index in self._reading:  # read ahead for the step's edit: taken from there, then a spare
             piece = self._landed(index)
             self.copies.copy(out, piece, then_reuse_source=True)
-            self._outsized_spares.append(piece if piece._base is None else piece._base)
+            self._spare(piece)
             self._recycle_outsized()
         elif index in self._fresh:  # its write may still be reading it: reused once that has landed
             piece = self._fresh.pop(index)
@@ -206,8 +206,7 @@ class UnitShards:
     def _drop_reading(self, index: int | None = None) -> None:
         """Outsized pieces read ahead and not taken: their buffers become spares once the reads have landed."""
         for unit in list(self._reading) if index is None else [index] if index in self._reading else []:
-            piece = self._landed(unit)
-            self._outsized_spares.append(piece if piece._base is None else piece._base)
+            self._spare(self._landed(unit))
         if self.manager is not None:
             self._recycle_outsized()
 
@@ -227,13 +226,17 @@ class UnitShards:
         self.outsized_made += 1
         return torch.empty(numel, dtype=self.dtype)
 
+    def _spare(self, piece: torch.Tensor) -> None:
+        """An outsized piece's buffer is free: the whole buffer it is a view of becomes a spare."""
+        self._outsized_spares.append(piece if piece._base is None else piece._base)
+
     def _recycle_outsized(self) -> None:
         """Buffers whose write has landed become spares (the whole buffer a piece had a view of), within
         outsized_spare_budget, the smallest going back first; the rest go back to the C library."""
         self.manager.reap_loose_writes()
         for index in [i for i in self._outsized_behind if not self.manager.writing(self._name(i))]:
             buffer = self._outsized_behind.pop(index)
-            self._outsized_spares.append(buffer if buffer._base is None else buffer._base)
+            self._spare(buffer)
         self._outsized_spares.sort(key=torch.Tensor.numel, reverse=True)
         kept = 0
         for position, spare in enumerate(self._outsized_spares):

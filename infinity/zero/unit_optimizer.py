@@ -185,7 +185,6 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def _step_tiles(self) -> None:
         last = self._last_tile
-        self._read_piece = None
         # Split masters join with the pieces: read the next units' pieces ahead as the step goes, as the forward
         # does. Not from the end of backward: staged pieces hold ring buffers that anything editing a piece before
         # the step (a partitioned-state set, a checkpoint load) would wait for in vain.
