@@ -238,6 +238,12 @@ class InfinitySection:
     only: the 16 bits the bf16 weight lacks, 2 bytes an element; the master is joined back from both for the
     step: [Note: split masters] in zero/split_master.py)."""
 
+    step_behind_forward: bool | None = None
+    """Stage 3 with the optimizer on NVMe: each unit's tiles step just before the next forward uses the unit, so
+    the tiles' reads and writes run behind the forward's compute ([Note: step behind forward] in
+    zero/unit_optimizer.py). None (the default): wherever it can (torch's Adam, AdamW or SGD, fp32 masters);
+    true: the same, refused where it cannot; false: the whole step runs in engine.step()."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
@@ -357,6 +363,8 @@ def _typed_section(cls, section: str, raw: Mapping[str, Any], *, skip: set[str] 
         name = f"{section}.{key}"
         if annotation == "bool":
             kwargs[key] = as_bool(name, value)
+        elif annotation == "bool | None":
+            kwargs[key] = None if value is None else as_bool(name, value)
         elif annotation == "int":
             kwargs[key] = as_int(name, value, minimum=0)
         elif annotation == "float":
@@ -749,5 +757,15 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool) -> 
             'infinity.offloaded_master "split" keeps the fp32 master as the bf16 weight plus 16 low bits: it needs '
             'bf16.enabled true and zero_optimization.offload_optimizer.device "cpu" or "nvme" (set them, or drop '
             "the key)"
+        )
+    if section.step_behind_forward and not (zero.stage == 3 and zero.offload_optimizer.device == "nvme"):
+        raise ConfigError(
+            "infinity.step_behind_forward true hides the optimizer's NVMe reads and writes behind the forward: it "
+            'needs zero_optimization.stage 3 and offload_optimizer.device "nvme" (set them, or drop the key)'
+        )
+    if section.step_behind_forward and section.offloaded_master == "split":
+        raise ConfigError(
+            'infinity.step_behind_forward true and offloaded_master "split" do not go together: split masters '
+            "join with the pieces the step reads ahead itself (drop one of the keys)"
         )
     return section

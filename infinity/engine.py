@@ -52,6 +52,7 @@ from infinity.memory.plan import (
     survey,
     swap_need,
 )
+from infinity.memory.tiers import Tier
 from infinity.optim import config_optimizer_class
 from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.bucket_optimizer import ZeroOptimizer
@@ -478,6 +479,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
                 sub_group_size=self.plan.tile_numel,
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
+            if offload is not None and offload.home is Tier.NVME:
+                self.zero_optimizer.step_behind_forward(self.config.infinity.step_behind_forward)
             self._keep_generate_in_step()
             self.stage3.bind_reducer(self.zero_optimizer.reducer)
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
@@ -732,6 +735,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         )
         self._backward_pending = True
         self._last_backward_at_boundary = self.is_gradient_accumulation_boundary()
+        if self._last_backward_at_boundary:
+            self.zero_optimizer.prefetch_states(gradients=False)
         scaled.backward()
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
@@ -776,6 +781,12 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self._after_boundary_step()
             return
         self.micro_steps += 1
+
+    def finish_step(self) -> None:
+        """Steps the units a step running behind the forward has not reached yet ([Note: step behind forward] in
+        zero/unit_optimizer.py); anything that reads or replaces the whole training state calls this first."""
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.finish_step()
 
     def _heap_within_host(self) -> None:
         """The heap's cache stays near its settled size, and gives way when the host runs short of memory
@@ -849,6 +860,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
 
         self.distributed.check_call("save_16bit_model")
         self.check_states_here("save_16bit_model", ("lp_params",))
+        self.finish_step()
         if self.stage3 is not None and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
                 "save_16bit_model: nothing saved; at stage 3 it needs "
@@ -871,6 +883,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
 
         self.distributed.check_call("save_checkpoint")
         self.check_states_here("save_checkpoint", ("optim_states", "hp_params", "lp_params"))
+        self.finish_step()
         if self.micro_steps % self.config.gradient_accumulation_steps != 0 or self._backward_pending:
             raise CheckpointError(
                 f"save_checkpoint called in the middle of gradient accumulation (micro-step {self.micro_steps}, "
@@ -902,6 +915,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         checkpoint's pickled files are read without running code; False only for a checkpoint you trust
         (checkpoint/pickled.py)."""
         self.check_states_here("load_checkpoint")
+        self.finish_step()
         from infinity.checkpoint.load import load_engine
 
         self.distributed.check_call("load_checkpoint")

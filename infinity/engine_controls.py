@@ -110,6 +110,7 @@ class EngineControls:
         target = _kind_name(device)
         if target not in OFFLOAD_DEVICES:
             raise ConfigError(f"offload_states: device must be 'cpu' or 'nvme', got {device!r}")
+        self.finish_step()  # the step's last units write the states and pieces this parks
         if self._backward_pending:
             raise ConfigError("offload_states between backward and step: the gradient would be lost; call it "
                               "after engine.step()")  # fmt: skip

@@ -196,6 +196,7 @@ class EngineGetters:
         """DeepSpeed's: the model's state dict; at stage 3 gathered unit by unit into fp32 copies on every rank
         (collective), as a plain PyTorch model's would be."""
         self.check_states_here("module_state_dict", ("lp_params",))
+        self.finish_step()
         if self.stage3 is None:
             return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         from infinity.zero import GatheredParameters

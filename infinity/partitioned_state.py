@@ -275,6 +275,7 @@ def state_of(param: nn.Parameter) -> PartitionedState:
             access = _ACCESS[engine] = PartitionedState(engine)
         if id(param) in access.map.names:
             engine.check_states_here("a partitioned-state helper (safe_get/safe_set)")
+            engine.finish_step()  # a step running behind the forward counts as taken
             return access
     raise StateAccessError("this parameter belongs to no live infinity training engine: call the helper on a "
                            "parameter of the model initialize() returned, before engine.destroy()")  # fmt: skip

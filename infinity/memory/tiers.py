@@ -284,6 +284,19 @@ class TierManager:
             self._writing_by_name[handle.spec.name] = slot
             self._writing.append(slot)
 
+    def all_held(self) -> bool:
+        """Whether every ring buffer is held by a handle (none free, none only writing)."""
+        return bool(self._ring) and all(slot.held for slot in self._ring)
+
+    def being_written(self, name: str) -> torch.Tensor | None:
+        """The segment's newest bytes where a write from a ring buffer is still taking them to NVMe: read them from
+        there (no read, no wait), before anything else acquires a buffer. None where no such write is in flight."""
+        slot = self._writing_by_name.get(name)
+        if slot is None:
+            return None
+        spec = self._specs[name]
+        return slot.buffer.view(spec.numel, spec.dtype)
+
     def read_into(self, name: str, out: torch.Tensor) -> None:
         """Blocking read of an NVMe segment straight into ``out`` (any tensor of its size, e.g. on the device)."""
         self.finish_read(name, self.start_read(name, out))

@@ -444,7 +444,14 @@ class Coordinator:
         self._pass.position = -1
 
     def _fetch(self, needs: list[int], prefetch: list[int]) -> None:
-        """[Note: fetch rendezvous] in rendezvous.py: needs are gathered now, prefetches asynchronously."""
+        """[Note: fetch rendezvous] in rendezvous.py: needs are gathered now, prefetches asynchronously. While the
+        step runs behind the forward, a unit not stepped yet is prefetched only when it is the next such unit:
+        gathering it steps it, which is compute, so it runs a unit ahead of the forward, not a prefetch bucket
+        ahead ([Note: step behind forward] in unit_optimizer.py)."""
+        pending = self.table.shards.pending_step
+        if pending is not None:
+            later = [index for index in prefetch if pending(index)][1:]
+            prefetch = [index for index in prefetch if index not in later]
         if not needs and not prefetch:
             return
         union = self._rendezvous.ask(needs + prefetch) if self.comm.active else sorted(set(needs) | set(prefetch))

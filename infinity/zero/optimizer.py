@@ -101,9 +101,10 @@ class PartitionedOptimizer:
             if self.tiled.rule.starts is not None:
                 seed_states(self.optimizer, self.tiled.rule.starts)  # a state the class builds in __init__
 
-    def prefetch_states(self) -> None:
-        """At the end of the boundary's backward: start reading the first tiles of the step."""
-        if self.tiled is not None:
+    def prefetch_states(self, *, gradients: bool = True) -> None:
+        """At the end of the boundary's backward: start reading the first tiles of the step (``gradients``
+        False: the call at its start, which stages 1-2 do not use)."""
+        if self.tiled is not None and gradients:
             self.tiled.prefetch()
 
     # ---- backward ----
@@ -133,7 +134,16 @@ class PartitionedOptimizer:
                     self._no_grad_marks[id(param)] = on_grad
 
     # ---- the step ----
+    @property
+    def step_pending(self) -> bool:
+        """A step is under way behind the next forward ([Note: step behind forward] in unit_optimizer.py)."""
+        return False
+
+    def finish_step(self) -> None:
+        """Finishes a step under way behind the forward, if any."""
+
     def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
+        self.finish_step()
         self._collect_grads()
         if loss_scale != 1.0:
             self._scale_grads(1.0 / loss_scale)
@@ -161,7 +171,8 @@ class PartitionedOptimizer:
             for master in self.masters:
                 master.grad = None
             self._publish_weights()
-        self.zero_grad()
+        if not self.step_pending:
+            self.zero_grad()  # else once the last unit stepped
         return StepResult(stepped=True, grad_norm=norm)
 
     @property

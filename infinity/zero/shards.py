@@ -35,6 +35,8 @@ the end of every pass, so a staged piece is never older than the one on disk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from infinity.aio.handle import AioSettings
@@ -99,6 +101,10 @@ class UnitShards:
         self._outsized_behind: dict[int, torch.Tensor] = {}
         self.outsized_spare_budget = 0
         self.outsized_made = 0  # such buffers allocated rather than reused, since the start (zero_stats)
+        # while a step runs behind the forward ([Note: step behind forward] in unit_optimizer.py): steps a unit's
+        # tiles (writing its piece) before the piece is used, and says whether a unit is still to step
+        self.before_use: Callable[[int], None] | None = None
+        self.pending_step: Callable[[int], bool] | None = None
         self.version = 0  # counts writes (store, edit, commit): a copy taken at one version is current until it moves
         # an outsized piece read ahead for the step's edit (split masters): its buffer and the read in flight
         self._reading: dict[int, tuple[torch.Tensor, object]] = {}
@@ -127,6 +133,11 @@ class UnitShards:
             self.flat = torch.zeros(layout.shard_numel, dtype=dtype, device=where, pin_memory=pin)  # pinned as made:
             # no second copy of the shard
 
+    def _stepped(self, index: int) -> None:
+        """A step running behind the forward steps the unit's tiles before its piece is used."""
+        if self.before_use is not None:
+            self.before_use(index)
+
     @staticmethod
     def _name(index: int) -> str:
         return f"unit{index}"
@@ -139,6 +150,7 @@ class UnitShards:
     def on_device(self, index: int) -> torch.Tensor | None:
         """The piece itself when it lives on the compute device (use it as the all-gather input), else None."""
         self._check_here()
+        self._stepped(index)
         piece = self._resident.get(index)
         if piece is None and self.flat is not None:
             piece = self.flat[self._span(index)]
@@ -148,6 +160,7 @@ class UnitShards:
         """out <- the piece. With CUDA, inside ``copies.side()`` the copy is queued on the side stream ([Note: copy
         stream] in memory/copies.py); a staging buffer goes back to the ring when it has been copied."""
         self._check_here()
+        self._stepped(index)
         if index in self._resident or self.flat is not None:
             source = self._resident[index] if index in self._resident else self.flat[self._span(index)]
             event = self.copies.copy(out, source)
@@ -167,6 +180,8 @@ class UnitShards:
             handle = self._staged.pop(index)
             self.copies.copy(out, handle.wait(), then_reuse_source=True)
             self.manager.release(handle, dirty=False)
+        elif (written := self.manager.being_written(self._name(index))) is not None:
+            self.copies.copy(out, written, then_reuse_source=True)  # the step just wrote it: no read back
         else:
             self.manager.read_into(self._name(index), out)
 
@@ -176,6 +191,8 @@ class UnitShards:
         first): into the host buffer its edit takes, one such piece at a time."""
         if self.flat is not None or index in self._resident or index in self._staged:
             return True
+        if self.pending_step is not None and self.pending_step(index):
+            return True  # its step writes the piece, which its gather then takes from memory
         if not self.manager.fits(self._name(index)):
             if for_edit and not self._reading and index not in self._fresh and index not in self._editing_outsized:
                 piece = self._outsized_buffer(self.layout.buckets[index].piece_numel)
@@ -267,6 +284,7 @@ class UnitShards:
     def store(self, index: int, values: torch.Tensor) -> None:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
         self._check_here()
+        self._stepped(index)
         self._copied(index)
         self.version += 1
         if index in self._staged:
@@ -284,6 +302,7 @@ class UnitShards:
         """The piece, writable in place until ``commit(index)``. ``overwrite``: the caller writes every element
         of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
         self._check_here()
+        self._stepped(index)
         self._copied(index)
         self.version += 1
         if index in self._resident:
@@ -314,6 +333,8 @@ class UnitShards:
                 return staged.wait()
             if staged is not None:
                 self.manager.release(staged, dirty=False)
+            while self._staged and self.manager.all_held():  # a step behind the forward edits while it stages
+                self.manager.release(self._staged.popitem()[1], dirty=False)  # the furthest ahead goes first
             handle = self.manager.acquire(self._name(index), read=not overwrite)
             if overwrite:
                 handle.tensor[self.held_numel(index) :].zero_()

@@ -27,7 +27,7 @@ those of the same torch kernel on the whole shard (tests/distributed/test_offloa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import adam, sgd
@@ -129,6 +129,27 @@ def rule_for(optimizer: torch.optim.Optimizer, *, in_memory: bool = False) -> Ru
     return Rule(stepper.states, stepper.update, stepper)
 
 
+@dataclass(slots=True)
+class _Run:
+    """A step under way: what it steps with, the order its tiles are expected in, the ones stepped."""
+
+    groups: list[dict]  # the param groups' hyperparameters for this step
+    grad_factors: tuple[float, ...]
+    order: list[Tile]
+    position: dict[int, int]  # tile index -> place in ``order``
+    stepped: set[int] = field(default_factory=set)
+
+    def following(self, tile: Tile, count: int) -> list[Tile]:
+        """The next ``count`` tiles after ``tile`` in the expected order that are not stepped yet."""
+        found = []
+        for candidate in self.order[self.position[tile.index] + 1 :]:
+            if candidate.index not in self.stepped:
+                found.append(candidate)
+                if len(found) == count:
+                    break
+        return found
+
+
 class TiledStep:
     """Runs the step over the tiles through the tier manager ([Note: tiles])."""
 
@@ -196,6 +217,8 @@ class TiledStep:
         manager.open()
         self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
         self._grads_ahead: dict[int, SegmentHandle] = {}  # the same for swapped gradients
+        self._run: _Run | None = None  # the step under way (begin_step .. end_step)
+        self.finish_step: Callable[[], None] | None = None  # while a deferred step is under way: finishes it
 
     def initialize(self, tile: Tile, master: torch.Tensor) -> None:
         """The tile's first value: ``master`` (fp32, its elements) and zero states."""
@@ -298,20 +321,25 @@ class TiledStep:
             if codec.name != "fp32":  # an fp32 state was changed in place (states_of)
                 codec.encode(values, stored, generator)
 
-    def prefetch(self) -> None:
-        """Start reading the first tiles (as many as free buffers allow, never blocking)."""
+    def prefetch(self, order: Sequence[Tile] | None = None, *, gradients: bool = True) -> None:
+        """Start reading the first tiles of the step (``order``: the order it will take them in; default the
+        tiles' own), as many as free buffers allow, never blocking. Without ``gradients``: not their swapped
+        gradients (from the start of backward, which is still writing them)."""
         if self.pipeline_read:
-            self._read_ahead(0, self.manager.buffer_count - 1, block=False)
+            tiles = self.tiles if order is None else order
+            self._read_ahead(tiles, self.manager.buffer_count - 1, block=False, gradients=gradients)
 
-    def _read_ahead(self, first: int, count: int, *, block: bool) -> None:
-        for index in range(first, min(first + count, len(self.tiles))):
-            tile = self.tiles[index]
+    def _read_ahead(self, tiles: Sequence[Tile], count: int, *, block: bool, gradients: bool = True) -> None:
+        """Reads of the first ``count`` of ``tiles`` (and their swapped gradients) started, as far as buffers go
+        (``block``: waiting for one)."""
+        for tile in tiles[:count]:
+            index = tile.index
             if index not in self._ahead:
                 handle = self.manager.acquire(tile.name, block=block)
                 if handle is None:
                     return
                 self._ahead[index] = handle
-            if self.gradients is not None and index not in self._grads_ahead:
+            if gradients and self.gradients is not None and index not in self._grads_ahead:
                 handle = self.gradients.acquire(tile, block=block)
                 if handle is None:
                     return
@@ -330,14 +358,35 @@ class TiledStep:
         if self.rule.update is None:
             self._step_with(optimizer, on_tile)
             return
+        self.begin_step(param_groups, grad_factors)
+        self.step_tiles(self.tiles, on_tile)
+        self.end_step()
+
+    def begin_step(self, param_groups: list[dict], grad_factors: Sequence[float] = (), *,
+                   order: Sequence[Tile] | None = None, deferred: bool = False) -> None:  # fmt: skip
+        """Starts a step whose tiles ``step_tiles`` then steps, in any grouping, each once, before ``end_step``.
+        ``order``: the order the tiles are expected in (reads run ahead along it). ``deferred``: the tiles are
+        stepped later than this call (behind the next forward: [Note: step behind forward] in
+        unit_optimizer.py), so the hyperparameters are copied now: a scheduler stepping in between changes the
+        next step's, not this one's."""
         if self.rule.stepper is not None:
             self.rule.stepper.begin()  # nothing left over from a step that failed part way
+        order = list(self.tiles if order is None else order)
+        groups = [dict(group) for group in param_groups] if deferred else param_groups
+        self._run = _Run(groups, tuple(grad_factors), order, {tile.index: k for k, tile in enumerate(order)})
+
+    def step_tiles(self, tiles: Sequence[Tile], on_tile: Callable[[Tile], None] | None = None) -> None:
+        """Steps ``tiles`` (of the step ``begin_step`` started), reading the run's next ones ahead."""
+        run = self._run
         depth = max(self.manager.buffer_count - 2, 1) if self.pipeline_read else 1
-        for tile in self.tiles:
-            self._read_ahead(tile.index, 1, block=True)
+        for tile in tiles:
+            if tile.index not in self._ahead and self._ahead_full():
+                self._release_ahead()  # read for tiles taken out of the expected order: the buffers are needed
+            self._read_ahead([tile], 1, block=True)
             handle = self._ahead.pop(tile.index)
+            run.stepped.add(tile.index)
             if self.pipeline_read:
-                self._read_ahead(tile.index + 1, depth, block=False)
+                self._read_ahead(run.following(tile, depth), depth, block=False)
             segment = handle.wait()
             weights = self.weights(tile) if self.masters is None else None
             master = self._master(tile, segment, weights)
@@ -345,12 +394,12 @@ class TiledStep:
             grad_handle = self._grads_ahead.pop(tile.index, None)
             if grad_handle is not None:
                 grad = self.gradients.values(grad_handle)
-                for factor in grad_factors:
+                for factor in run.grad_factors:
                     grad.mul_(factor)
             else:
                 grad = self.grads(tile)
                 grad = grad if grad.device == master.device else grad.to(master.device)
-            self.rule.update(param_groups[tile.group], master, grad, states, self.steps[tile.group])
+            self.rule.update(run.groups[tile.group], master, grad, states, self.steps[tile.group])
             self.store_states(tile, segment, states, step=self.steps[tile.group])
             if weights is not None:
                 weights.copy_(master)
@@ -362,8 +411,18 @@ class TiledStep:
                 self.manager.flush()
             if on_tile is not None:
                 on_tile(tile)
+
+    def _ahead_full(self) -> bool:
+        """Whether reads ahead hold every buffer but one of a ring (the tile about to be taken needs that one)."""
+        if len(self._ahead) >= self.manager.buffer_count - 1:
+            return True
+        return self.gradients is not None and len(self._grads_ahead) >= self.gradients.manager.buffer_count - 1
+
+    def end_step(self) -> None:
+        """Every tile of the step was stepped: the step counts."""
         for group in range(len(self.steps)):
             self.steps[group] += 1
+        self._run = None
         if self.rule.stepper is not None:
             self.rule.stepper.finish()
 
@@ -417,6 +476,13 @@ class TiledStep:
             self._forget_weights()
 
     def drop_ahead(self) -> None:
+        """Before the tiles are visited outside the step: a step still under way finishes first (``finish_step``,
+        set by a deferred step's owner), and reads started ahead let go of their buffers."""
+        if self.finish_step is not None:
+            self.finish_step()
+        self._release_ahead()
+
+    def _release_ahead(self) -> None:
         for handle in self._ahead.values():
             self.manager.release(handle, dirty=False)
         self._ahead.clear()
@@ -435,7 +501,7 @@ class TiledStep:
 
     def close(self) -> None:
         try:
-            self.drop_ahead()
+            self._release_ahead()
         finally:
             try:
                 self.manager.close()

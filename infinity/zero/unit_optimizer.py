@@ -1,8 +1,29 @@
 """ZeRO stage 3 on the shared partitioned step (optimizer.py): the rank's shard is its pieces of every unit, the
-masters and states tiles of those pieces, the new weights written straight into the pieces."""
+masters and states tiles of those pieces, the new weights written straight into the pieces.
+
+[Note: step behind forward]
+With the optimizer on NVMe, a step inside engine.step() reads and writes every tile (12 bytes an element each way
+in fp32) while nothing else runs: on GPT-2 small the forward and backward take ~1.6 s, and the step ~0.85 s, of
+which ~0.7 s waiting for reads. Yet the step of one unit's tiles is needed by nothing until the next forward first
+uses that unit. So engine.step() does what needs the whole gradient (unscaling, the overflow check, the global
+norm and clipping) and fixes the rest: the hyperparameters (copied: a scheduler or the user changing the learning
+rate afterwards acts on the next step, as it would after an eager step), the gradient factors and the step
+counts. Each unit's tiles then step when its piece is first used (``UnitShards.before_use``: a gather in the next
+forward, a GatheredParameters block, a save), reading the next units' tiles ahead along the order the last such
+step took them in, so the tiles' reads and writes run while the forward computes the units before. The forward
+prefetches a unit not yet stepped only when it is the next one (gathering it steps it: compute a prefetch bucket
+ahead would run before the forward could). Whatever reads or replaces the whole state first finishes the step:
+the next backward (the gradient is still the step's), a checkpoint save or load, the partitioned-state helpers,
+offload_states, module_state_dict, a visit of the tiles. The units a forward does not use (an unused branch) are
+stepped by the next backward. Each tile runs the same kernel on the same values as in the eager step, so the
+results are bitwise the same (tests/distributed/test_step_behind_forward.py); the step's compute moves into the
+forward's timing, and the gradient is freed when the last unit has stepped. Split masters and optimizer classes
+that keep state of their own between tiles step in engine.step() (``infinity.step_behind_forward``).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -92,6 +113,12 @@ class UnitOptimizer(PartitionedOptimizer):
         }  # fmt: skip
         self._tiles_as_parameters()  # they share the tiles' memory: initialize_piece fills both
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
+        # [Note: step behind forward]: whether the step runs unit by unit as the next forward gathers them, the
+        # units still to step (in the order they are expected), and the order the last such step took them in
+        self.steps_behind_forward = False  # step_behind_forward() turns it on
+        self._pending: dict[int, list[Tile]] = {}
+        self._unit_order: list[int] = list(self._tiles_of_unit)
+        self._taken: list[int] = []
         self.masters = []
         self._read_piece: tuple[tuple[int, int], torch.Tensor] | None = None  # _tile_current_weight's copy
         self.reducer = GradientReducer(
@@ -141,6 +168,7 @@ class UnitOptimizer(PartitionedOptimizer):
         return self.grad_shards[0][tile.start : tile.start + tile.numel]
 
     def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
+        self.finish_step()  # the last step's gradient is still read by units not stepped yet
         if self.gradients is not None:
             self.gradients.begin_backward(boundary=boundary, loss_scale=loss_scale)
         super().begin_backward(loss, boundary=boundary, loss_scale=loss_scale)
@@ -184,6 +212,9 @@ class UnitOptimizer(PartitionedOptimizer):
         return self._read_piece[1][first : first + tile.numel]
 
     def _step_tiles(self) -> None:
+        if self.steps_behind_forward:
+            self._defer_step()
+            return
         last = self._last_tile
         # Split masters join with the pieces: read the next units' pieces ahead as the step goes, as the forward
         # does. Not from the end of backward: staged pieces hold ring buffers that anything editing a piece before
@@ -204,6 +235,82 @@ class UnitOptimizer(PartitionedOptimizer):
                 self.table.shards.unstage_all()  # the ring's buffers back, for whatever runs next
             raise
         self._regather_persistent()
+
+    # ---- [Note: step behind forward] ----
+    def step_behind_forward(self, wanted: bool | None) -> None:
+        """infinity.step_behind_forward (None: where it can, True: refused where it cannot): it can with torch's
+        own kernels driven tile by tile (another class's step keeps state of its own between tiles) and masters
+        that are not split (they join with pieces the step reads ahead itself)."""
+        rule = self.tiled.rule
+        can = rule.update is not None and rule.stepper is None and self.tiled.splitter is None
+        if wanted and not can:
+            raise ConfigError(
+                f"infinity.step_behind_forward true: {type(self.optimizer).__name__}'s step cannot run unit by unit "
+                "behind the forward (torch's Adam, AdamW and SGD can); drop the key"
+            )
+        self.steps_behind_forward = can and wanted is not False
+
+    @property
+    def step_pending(self) -> bool:
+        return bool(self._pending)
+
+    def _defer_step(self) -> None:
+        """The step starts: its hyperparameters and factors are fixed now, its tiles step as their units are
+        next used (the shards ask: ``_step_unit``), the persistent units' at once (they are regathered now)."""
+        order = [tile for unit in self._unit_order for tile in self._tiles_of_unit[unit]]
+        self.tiled.begin_step(self.optimizer.param_groups, self._grad_factors, order=order, deferred=True)
+        self._pending = {unit: self._tiles_of_unit[unit] for unit in self._unit_order}
+        self._taken = []
+        self.tiled.finish_step = self.finish_step
+        self.table.shards.before_use = self._step_unit
+        self.table.shards.pending_step = self._pending.__contains__
+        if not self._pending:
+            self._end_deferred()
+        self._regather_persistent()  # their gathers step them first
+
+    def _step_unit(self, unit: int) -> None:
+        """Before unit ``unit``'s piece is used: its tiles step now if they have not (the forward's gather, a
+        save, a GatheredParameters block), then its piece is committed; the last unit ends the step."""
+        tiles = self._pending.pop(unit, None)
+        if tiles is None:
+            return
+        self._taken.append(unit)
+        last = self._last_tile
+
+        def on_tile(tile: Tile) -> None:
+            if tile.index == last[tile.piece]:
+                self.table.shards.commit(tile.piece)
+
+        with _outside_the_forward():
+            self.tiled.step_tiles(tiles, on_tile)
+        if not self._pending:
+            self._end_deferred()
+
+    def finish_step(self) -> None:
+        """Steps every unit the step has not reached yet (before anything else reads the tiles or the gradient)."""
+        while self._pending:
+            self._step_unit(next(iter(self._pending)))
+
+    def _end_deferred(self) -> None:
+        self._unit_order = self._taken + [unit for unit in self._unit_order if unit not in set(self._taken)]
+        self.table.shards.before_use = self.table.shards.pending_step = None
+        self.tiled.finish_step = None
+        self.tiled.end_step()
+        self.zero_grad()
+
+    def prefetch_states(self, *, gradients: bool = True) -> None:
+        """The first tiles' reads, in the order the step will take them: from the start of the boundary's
+        backward when the step runs behind the forward (whose first unit waits for its tiles, with no compute to
+        hide them), without their gradients (backward writes them); those at its end."""
+        if gradients or self.steps_behind_forward:
+            order = [tile for unit in self._unit_order for tile in self._tiles_of_unit[unit]]
+            self.tiled.prefetch(order, gradients=gradients)
+
+    def close(self) -> None:
+        self._pending.clear()  # a step not finished by now changes nothing anyone reads
+        self.table.shards.before_use = self.table.shards.pending_step = None
+        self.tiled.finish_step = None
+        super().close()
 
     def _forget_current_weights(self) -> None:
         self._read_piece = None
@@ -250,6 +357,18 @@ class UnitOptimizer(PartitionedOptimizer):
             self.tiled.drop_gradients_ahead()
             self.gradients.zero()
         super().zero_grad()
+
+
+def _outside_the_forward():
+    """A step run from inside the user's forward computes as the step does anywhere: no autograd, no autocast,
+    and its buffers are not inference tensors (a forward under torch.inference_mode)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
 
 
 def _unit_runs(table: UnitTable, group_of: dict[int, int], rank: int) -> list[tuple[int, int, int, int]]:

@@ -140,13 +140,16 @@ class Unit:
 
 def gather_piece(comm: Comm, shards: UnitShards, index: int, bucket: Bucket, out: torch.Tensor, *, async_op: bool):
     """out <- every rank's piece of the unit. A piece not on the device is first loaded into this rank's own slot of
-    ``out``, which is then the all-gather's input (in place, as NCCL documents and gloo does)."""
-    piece = shards.on_device(index)
-    if piece is None:
-        start, end = bucket.piece_range(comm.rank)
-        piece = out[start:end]
-        shards.load_into(index, piece)
-    return collectives.all_gather_pieces(comm, out, piece, async_op=async_op)
+    ``out``, which is then the all-gather's input (in place, as NCCL documents and gloo does). Under a caller's
+    torch.inference_mode too, the views written here are ordinary tensors: the I/O threads (outside that mode)
+    write into them, and a step run from here writes its buffers."""
+    with torch.inference_mode(False):
+        piece = shards.on_device(index)
+        if piece is None:
+            start, end = bucket.piece_range(comm.rank)
+            piece = out[start:end]
+            shards.load_into(index, piece)
+        return collectives.all_gather_pieces(comm, out, piece, async_op=async_op)
 
 
 @dataclass(slots=True)

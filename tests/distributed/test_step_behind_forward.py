@@ -1,0 +1,188 @@
+"""The step behind the forward ([Note: step behind forward] in infinity/zero/unit_optimizer.py): at stage 3 with
+the optimizer on NVMe, engine.step() fixes the step (norm, clipping, hyperparameters) and each unit's tiles step
+when the next forward first uses the unit. The math must not change: every run here is compared bitwise with the
+same run under ``infinity.step_behind_forward: false`` (the whole step inside engine.step()), at world size 1 and 2
+over gloo, with the swap files on the real disk.
+
+What a user does between a step and the next forward is where a late step could show: reading masters, optimizer
+states and gathered weights, an evaluation forward under inference_mode, changing the learning rate by hand (it
+must act on the next step, not the pending one), offload_states / reload_states, a checkpoint saved and resumed.
+The model uses its modules in another order than it registers them, has a branch the forward never takes (its
+unit is stepped when the next backward starts), a frozen layer, and small parameters kept gathered (persistent);
+the optimizer's ring has two buffers, so reads started ahead for the wrong unit must make way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+import infinity.zero
+from infinity.config import parse_config
+from infinity.errors import ConfigError
+from infinity.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from tests.distributed.harness import run_distributed
+from tests.distributed.training import VOCAB, global_batch, loss_fn, own_pieces
+
+STEPS, MICRO, ACCUMULATION = 5, 2, 2
+MODEL = "transformer"  # the token batches of training.global_batch
+
+
+class OutOfOrder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(99)
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.late = nn.Linear(32, 48)  # registered before ``early``, used after it
+        self.early = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 32)  # trainable, never in the forward
+        self.frozen = nn.Linear(32, 32).requires_grad_(False)
+        self.norm = nn.LayerNorm(48)  # 48 elements each: persistent under the threshold below
+        self.head = nn.Linear(48, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.early(self.embed(tokens)))
+        x = torch.tanh(self.late(self.frozen(x)))
+        return self.head(self.norm(x))
+
+
+def config(swap: str, behind: bool | None) -> dict:
+    nvme = {"device": "nvme", "nvme_path": swap}
+    result = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUMULATION,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                     "warmup_num_steps": 4}},  # fmt: skip
+        "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": 2000, "sub_group_size": 512,
+            "stage3_param_persistence_threshold": 100, "stage3_prefetch_bucket_size": 3000,
+            "offload_optimizer": {**nvme, "buffer_count": 2},
+            "offload_param": {**nvme, "max_in_cpu": 0, "buffer_count": 3},
+        },  # fmt: skip
+    }
+    if behind is not None:
+        result["infinity"] = {"step_behind_forward": behind}
+    return result
+
+
+def train(engine, rank: int, world_size: int, first: int, steps: int, seen: dict) -> list[float]:
+    """Trains ``steps`` steps from global step ``first``; between each step and the next forward, reads and
+    changes what a user might, recording what it reads in ``seen``."""
+    per_step = MICRO * ACCUMULATION * world_size
+    head = engine.module.head.weight
+    losses = []
+    for step in range(first, first + steps):
+        inputs, target = global_batch(MODEL, step, per_step)
+        total = 0.0
+        for k in range(ACCUMULATION):
+            start = k * MICRO * world_size + rank * MICRO
+            loss = loss_fn(MODEL, engine(inputs[start : start + MICRO]), target[start : start + MICRO])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / ACCUMULATION
+        losses.append(total)
+        seen.setdefault("pending", []).append(engine.zero_optimizer.step_pending)
+        if step == 0:
+            seen["master"] = safe_get_full_fp32_param(head)
+            seen["exp_avg"] = safe_get_full_optimizer_state(head, "exp_avg")
+        elif step == 1:
+            with torch.inference_mode():
+                seen["eval"] = engine(inputs[:MICRO]).float().clone()
+        elif step == 2:
+            with infinity.zero.GatheredParameters([engine.module.late.weight]):
+                seen["late"] = engine.module.late.weight.detach().clone()
+            for group in engine.optimizer.param_groups:
+                group["lr"] *= 0.5  # by hand, after this step: acts on the next one
+        elif step == 3:
+            engine.offload_states()
+            engine.reload_states()
+    return losses
+
+
+def run_both(rank: int, world_size: int, swap_root: str) -> dict:
+    out = {}
+    for behind in (False, None):
+        swap = f"{swap_root}/swap-{behind}"
+        os.makedirs(swap, exist_ok=True)
+        engine, *_ = infinity.initialize(model=OutOfOrder(), config=config(swap, behind))
+        seen: dict = {}
+        losses = train(engine, rank, world_size, 0, STEPS, seen)
+        engine.save_checkpoint(f"{swap_root}/ckpt-{behind}")  # a step is still pending here
+        pieces = own_pieces(engine)
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        engine.destroy()
+        resumed, *_ = infinity.initialize(model=OutOfOrder(), config=config(swap, behind))
+        resumed.load_checkpoint(f"{swap_root}/ckpt-{behind}")
+        more = train(resumed, rank, world_size, STEPS, 2, {})
+        after = own_pieces(resumed)
+        resumed.destroy()
+        out[behind] = {"losses": losses, "seen": seen, "pieces": pieces, "params": params, "more": more,
+                       "after": after}  # fmt: skip
+    return out
+
+
+def assert_same(eager, behind, where: str) -> None:
+    if isinstance(eager, dict):
+        assert eager.keys() == behind.keys(), where
+        for key in eager:
+            assert_same(eager[key], behind[key], f"{where}.{key}")
+    elif isinstance(eager, list | tuple):
+        assert len(eager) == len(behind), where
+        for k, (a, b) in enumerate(zip(eager, behind, strict=True)):
+            assert_same(a, b, f"{where}[{k}]")
+    elif isinstance(eager, torch.Tensor):
+        assert torch.equal(eager, behind), f"{where}: differs by {(eager - behind).abs().max().item():.3g}"
+    else:
+        assert eager == behind, where
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_step_behind_the_forward_is_the_step_in_engine_step_bitwise(tmp_path, world_size):
+    results = run_distributed(run_both, world_size, tmp_path, swap_root=str(tmp_path))
+    for rank, result in enumerate(results):
+        eager, behind = result[False], result[None]
+        assert eager["seen"].pop("pending") == [False] * STEPS
+        assert behind["seen"].pop("pending") == [True] * STEPS  # the default defers
+        assert_same(eager, behind, f"rank {rank}")
+        initial = dict(OutOfOrder().named_parameters())
+        for name, value in eager["params"].items():  # trained: the comparison is not of untouched weights
+            assert torch.equal(value, initial[name]) == (name.startswith("frozen")), name
+    assert not [p for p in tmp_path.glob("swap-*/**/*") if p.is_file()], "swap files left behind"
+
+
+@pytest.mark.parametrize(
+    ("zero", "extra", "match"),
+    [
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "."}}, {}, "needs zero_optimization"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {}, 'offload_optimizer.device "nvme"'),
+        ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "."}},
+         {"bf16": {"enabled": True}, "infinity": {"offloaded_master": "split"}}, "do not go together"),
+    ],
+)  # fmt: skip
+def test_step_behind_forward_true_is_refused_where_it_cannot_act(zero, extra, match):
+    raw = {"train_batch_size": 2, "zero_optimization": zero, **extra}
+    raw.setdefault("infinity", {})["step_behind_forward"] = True
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)
+
+
+def test_step_behind_forward_true_is_refused_for_an_optimizer_that_steps_otherwise(tmp_path):
+    raw = config(str(tmp_path), True)
+    raw["optimizer"] = {"type": "Adagrad", "params": {"lr": 0.01}}
+    with pytest.raises(ConfigError, match="Adagrad's step cannot run unit by unit"):
+        infinity.initialize(model=OutOfOrder(), config=raw)
+    raw["infinity"] = {}  # by default it steps in engine.step() instead
+    engine, *_ = infinity.initialize(model=OutOfOrder(), config=raw)
+    try:
+        engine.backward(loss_fn(MODEL, engine(global_batch(MODEL, 0, 2)[0]), global_batch(MODEL, 0, 2)[1]))
+        engine.step()
+        assert not engine.zero_optimizer.step_pending
+    finally:
+        engine.destroy()
