@@ -111,6 +111,8 @@ class Run:
                 engine.step()
                 loss_sum += loss.detach().double()
                 interrupt.raise_if_requested()  # a signal whose own raise Python dropped (train/interrupt.py)
+            if step + 1 == args.steps:
+                engine.finish_step()  # a step behind the forward has no next forward: its tiles count here
             # the mean over ranks (what plain PyTorch on the whole batch reports), through the engine's group
             all_reduce_mean(engine.comm, loss_sum, async_op=False)
             losses.append(loss_sum.item() / accumulation)

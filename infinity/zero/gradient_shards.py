@@ -9,7 +9,9 @@ later ones (stage 2 and 3 reduce every micro-step) are added; regions that got n
 gradient is read (``tensors()``); ``free()`` after the step, taken or skipped, gives the memory back. Empty, not
 zeroed, so its pages are touched as pieces arrive in backward, while activations are being freed, not all at once
 before it. Measured on GPT-2 124M (fp32, world size 1): the gradient held through forward was 0.46 GiB of a 4.7 GiB
-peak.
+peak. The one exception: at stage 3 with the optimizer on NVMe the step runs behind the next forward ([Note: step
+behind forward] in unit_optimizer.py), so the gradient is freed when its last unit has stepped, late in that
+forward: before its largest activations (the logits) are made, which take the freed blocks.
 
 Where it lives: on the compute device, unless the optimizer is offloaded (host memory or NVMe): then the step reads
 it in host memory, and on a GPU it would be the largest thing there, 4 bytes per element of the shard, twice the

@@ -17,8 +17,12 @@ elementwise optimizers] in elementwise.py; with the hyperparameters and flags re
 param_groups at every step, so LR schedulers keep working; the step count per group is kept here), copy the
 new master into the compute-dtype weights, give the segment back dirty. With NVMe, reads of the next tiles
 are in flight while one steps and earlier writes drain behind it, within the ring's buffer_count buffers; the
-first tiles' reads start at the end of backward (``prefetch``), and the last writes finish behind the next
-forward (a buffer is waited for only when it is needed again).
+first tiles' reads start at the end of backward (``prefetch``; a step behind the forward: at its start, into the
+whole ring, without the gradients backward is writing), and the last writes finish behind the next forward (a
+buffer is waited for only when it is needed again). A step can also be taken in parts
+(``begin_step``, ``step_tiles`` for any group of its tiles, ``end_step``): stage 3 steps each unit's tiles
+behind the next forward ([Note: step behind forward] in unit_optimizer.py), reading ahead along the order it
+expects, and reads started for tiles taken out of that order make way when the ring runs out.
 
 Elementwise updates do not care where a tensor is cut, so tiles change nothing in the math: the results are
 those of the same torch kernel on the whole shard (tests/distributed/test_offload.py checks it bitwise).
@@ -26,6 +30,7 @@ those of the same torch kernel on the whole shard (tests/distributed/test_offloa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -148,6 +153,22 @@ class _Run:
                 if len(found) == count:
                     break
         return found
+
+
+def _copied(value):
+    """A hyperparameter as it is now: a tensor (an lr a scheduler fills in place) or a tuple of them copied."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_copied(item) for item in value)
+    return value
+
+
+def _give_back(manager: TierManager, handle: SegmentHandle) -> None:
+    """A tile's buffer after a failure: back to the ring unchanged on disk (a failed read raises again: the
+    failure being raised already says it)."""
+    with contextlib.suppress(Exception):  # the original error is on its way up
+        manager.release(handle, dirty=False)
 
 
 class TiledStep:
@@ -327,7 +348,8 @@ class TiledStep:
         gradients (from the start of backward, which is still writing them)."""
         if self.pipeline_read:
             tiles = self.tiles if order is None else order
-            self._read_ahead(tiles, self.manager.buffer_count - 1, block=False, gradients=gradients)
+            count = self.manager.buffer_count - (1 if gradients else 0)  # backward's start: nothing else is moving
+            self._read_ahead(tiles, count, block=False, gradients=gradients)
 
     def _read_ahead(self, tiles: Sequence[Tile], count: int, *, block: bool, gradients: bool = True) -> None:
         """Reads of the first ``count`` of ``tiles`` (and their swapped gradients) started, as far as buffers go
@@ -372,7 +394,8 @@ class TiledStep:
         if self.rule.stepper is not None:
             self.rule.stepper.begin()  # nothing left over from a step that failed part way
         order = list(self.tiles if order is None else order)
-        groups = [dict(group) for group in param_groups] if deferred else param_groups
+        groups = [{key: _copied(value) for key, value in group.items()} for group in param_groups] if deferred \
+            else param_groups
         self._run = _Run(groups, tuple(grad_factors), order, {tile.index: k for k, tile in enumerate(order)})
 
     def step_tiles(self, tiles: Sequence[Tile], on_tile: Callable[[Tile], None] | None = None) -> None:
@@ -380,37 +403,47 @@ class TiledStep:
         run = self._run
         depth = max(self.manager.buffer_count - 2, 1) if self.pipeline_read else 1
         for tile in tiles:
+            if tile.index in run.stepped:  # stepped before a failure part way through ``tiles``
+                continue
             if tile.index not in self._ahead and self._ahead_full():
                 self._release_ahead()  # read for tiles taken out of the expected order: the buffers are needed
             self._read_ahead([tile], 1, block=True)
             handle = self._ahead.pop(tile.index)
-            run.stepped.add(tile.index)
-            if self.pipeline_read:
-                self._read_ahead(run.following(tile, depth), depth, block=False)
-            segment = handle.wait()
-            weights = self.weights(tile) if self.masters is None else None
-            master = self._master(tile, segment, weights)
-            states = self.states_of(tile, segment)
             grad_handle = self._grads_ahead.pop(tile.index, None)
-            if grad_handle is not None:
-                grad = self.gradients.values(grad_handle)
-                for factor in run.grad_factors:
-                    grad.mul_(factor)
-            else:
-                grad = self.grads(tile)
-                grad = grad if grad.device == master.device else grad.to(master.device)
-            self.rule.update(run.groups[tile.group], master, grad, states, self.steps[tile.group])
-            self.store_states(tile, segment, states, step=self.steps[tile.group])
-            if weights is not None:
-                weights.copy_(master)
-                self.store_master(tile, segment, master, weights)
+            try:
+                if self.pipeline_read:
+                    self._read_ahead(run.following(tile, depth), depth, block=False)
+                self._step_tile(tile, handle.wait(), grad_handle, run)
+            except BaseException:
+                _give_back(self.manager, handle)  # clean: the tile steps again from its stored values
+                if grad_handle is not None:
+                    self.gradients.release(grad_handle)
+                raise
             self.manager.release(handle, dirty=True)
+            run.stepped.add(tile.index)
             if grad_handle is not None:
                 self.gradients.release(grad_handle)
             if not self.pipeline_write:
                 self.manager.flush()
             if on_tile is not None:
                 on_tile(tile)
+
+    def _step_tile(self, tile: Tile, segment: torch.Tensor, grad_handle: SegmentHandle | None, run: _Run) -> None:
+        weights = self.weights(tile) if self.masters is None else None
+        master = self._master(tile, segment, weights)
+        states = self.states_of(tile, segment)
+        if grad_handle is not None:
+            grad = self.gradients.values(grad_handle)
+            for factor in run.grad_factors:
+                grad.mul_(factor)
+        else:
+            grad = self.grads(tile)
+            grad = grad if grad.device == master.device else grad.to(master.device)
+        self.rule.update(run.groups[tile.group], master, grad, states, self.steps[tile.group])
+        self.store_states(tile, segment, states, step=self.steps[tile.group])
+        if weights is not None:
+            weights.copy_(master)
+            self.store_master(tile, segment, master, weights)
 
     def _ahead_full(self) -> bool:
         """Whether reads ahead hold every buffer but one of a ring (the tile about to be taken needs that one)."""

@@ -117,6 +117,7 @@ class UnitOptimizer(PartitionedOptimizer):
         # units still to step (in the order they are expected), and the order the last such step took them in
         self.steps_behind_forward = False  # step_behind_forward() turns it on
         self._pending: dict[int, list[Tile]] = {}
+        self._stepping: int | None = None  # the unit whose tiles are stepping now
         self._unit_order: list[int] = list(self._tiles_of_unit)
         self._taken: list[int] = []
         self.masters = []
@@ -178,6 +179,10 @@ class UnitOptimizer(PartitionedOptimizer):
             self._grad_factors.append(factor)  # applied per tile as it steps
         else:
             super()._scale_grads(factor)
+
+    def global_grad_norm(self) -> float:
+        self.finish_step()  # after engine.step() the gradient is gone, as with the whole step there
+        return super().global_grad_norm()
 
     def _local_squares(self) -> torch.Tensor:
         """Per unit piece holding tiles, summed in unit order, wherever the gradient lives ([Note: swapped
@@ -270,19 +275,26 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def _step_unit(self, unit: int) -> None:
         """Before unit ``unit``'s piece is used: its tiles step now if they have not (the forward's gather, a
-        save, a GatheredParameters block), then its piece is committed; the last unit ends the step."""
-        tiles = self._pending.pop(unit, None)
-        if tiles is None:
+        save, a GatheredParameters block), then its piece is committed; the last unit ends the step. The unit
+        stays pending until all its tiles have stepped: after a failure part way (a disk error, an interrupt in
+        the forward), the next use steps the tiles left, and nothing counts the step as taken before."""
+        tiles = self._pending.get(unit)
+        if tiles is None or unit == self._stepping:  # not pending, or its own tiles' edits of its piece
             return
-        self._taken.append(unit)
         last = self._last_tile
 
         def on_tile(tile: Tile) -> None:
             if tile.index == last[tile.piece]:
                 self.table.shards.commit(tile.piece)
 
-        with _outside_the_forward():
-            self.tiled.step_tiles(tiles, on_tile)
+        self._stepping = unit
+        try:
+            with _outside_the_forward():
+                self.tiled.step_tiles(tiles, on_tile)
+        finally:
+            self._stepping = None
+        del self._pending[unit]
+        self._taken.append(unit)
         if not self._pending:
             self._end_deferred()
 
@@ -352,6 +364,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.edit_masters([t for t in self.tiled.tiles if t.piece == unit.index], edit, weights)
 
     def zero_grad(self) -> None:
+        self.finish_step()  # optimizer.zero_grad() after engine.step(): the pending units step with the gradient
         self._grad_factors.clear()
         if self.gradients is not None:
             self.tiled.drop_gradients_ahead()

@@ -5,11 +5,15 @@ same run under ``infinity.step_behind_forward: false`` (the whole step inside en
 over gloo, with the swap files on the real disk.
 
 What a user does between a step and the next forward is where a late step could show: reading masters, optimizer
-states and gathered weights, an evaluation forward under inference_mode, changing the learning rate by hand (it
-must act on the next step, not the pending one), offload_states / reload_states, a checkpoint saved and resumed.
+states and gathered weights, an evaluation forward under inference_mode, optimizer.zero_grad(), changing the
+learning rate by hand (it must act on the next step, not the pending one), a GatheredParameters edit, a master set
+by safe_set, offload_states / reload_states, a checkpoint saved and resumed; and a step that fails part way inside
+the forward, then goes on. (tests/distributed/test_offload.py runs its stage-3 NVMe matrix, bf16, fp16 with skipped
+steps and the gradient on NVMe included, with the step behind the forward, the default, against runs without
+offload, bitwise.)
 The model uses its modules in another order than it registers them, has a branch the forward never takes (its
 unit is stepped when the next backward starts), a frozen layer, and small parameters kept gathered (persistent);
-the optimizer's ring has two buffers, so reads started ahead for the wrong unit must make way.
+the optimizer's ring has three buffers (the least there is), so reads started ahead for the wrong unit must make way.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import infinity
 import infinity.zero
 from infinity.config import parse_config
 from infinity.errors import ConfigError
-from infinity.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from infinity.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import VOCAB, global_batch, loss_fn, own_pieces
 
@@ -94,24 +98,32 @@ def train(engine, rank: int, world_size: int, first: int, steps: int, seen: dict
         elif step == 1:
             with torch.inference_mode():
                 seen["eval"] = engine(inputs[:MICRO]).float().clone()
+            engine.optimizer.zero_grad()  # a plain PyTorch loop's habit, after the step
         elif step == 2:
             with infinity.zero.GatheredParameters([engine.module.late.weight]):
                 seen["late"] = engine.module.late.weight.detach().clone()
             for group in engine.optimizer.param_groups:
                 group["lr"] *= 0.5  # by hand, after this step: acts on the next one
+            with infinity.zero.GatheredParameters([engine.module.early.bias], modifier_rank=0):
+                if rank == 0:
+                    with torch.no_grad():
+                        engine.module.early.bias.add_(0.01)  # an edit: the master follows it
         elif step == 3:
             engine.offload_states()
             engine.reload_states()
+            safe_set_full_fp32_param(engine.module.norm.bias, torch.full((48,), 0.02))
     return losses
 
 
-def run_both(rank: int, world_size: int, swap_root: str) -> dict:
+def run_both(rank: int, world_size: int, swap_root: str, fail_once: bool = False) -> dict:
     out = {}
     for behind in (False, None):
         swap = f"{swap_root}/swap-{behind}"
         os.makedirs(swap, exist_ok=True)
         engine, *_ = infinity.initialize(model=OutOfOrder(), config=config(swap, behind))
         seen: dict = {}
+        if fail_once and behind is None:
+            out["injected"] = fail_in_the_forward_once(engine, world_size)
         losses = train(engine, rank, world_size, 0, STEPS, seen)
         engine.save_checkpoint(f"{swap_root}/ckpt-{behind}")  # a step is still pending here
         pieces = own_pieces(engine)
@@ -126,6 +138,34 @@ def run_both(rank: int, world_size: int, swap_root: str) -> dict:
         out[behind] = {"losses": losses, "seen": seen, "pieces": pieces, "params": params, "more": more,
                        "after": after}  # fmt: skip
     return out
+
+
+def fail_in_the_forward_once(engine, world_size: int) -> dict:
+    """The second step's tiles fail once part way through a unit inside the next forward (as a disk error
+    would); the forward raises, and the same micro-batch is run again: the tiles left step then, once each."""
+    tiled = engine.zero_optimizer.tiled
+    calls = {"tiles": 0}
+    step_tile = tiled._step_tile
+
+    def failing(tile, *args):
+        calls["tiles"] += 1
+        if calls["tiles"] == len(tiled.tiles) + 3:  # the second step, its third tile
+            calls["failed"] = True
+            raise OSError("injected: the disk failed")
+        return step_tile(tile, *args)
+
+    tiled._step_tile = failing
+    forward = engine.forward
+
+    def forward_once_more(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except OSError:
+            assert engine.zero_optimizer.step_pending
+            return forward(*args, **kwargs)
+
+    engine.forward = forward_once_more
+    return calls
 
 
 def assert_same(eager, behind, where: str) -> None:
@@ -155,6 +195,14 @@ def test_the_step_behind_the_forward_is_the_step_in_engine_step_bitwise(tmp_path
         for name, value in eager["params"].items():  # trained: the comparison is not of untouched weights
             assert torch.equal(value, initial[name]) == (name.startswith("frozen")), name
     assert not [p for p in tmp_path.glob("swap-*/**/*") if p.is_file()], "swap files left behind"
+
+
+def test_a_step_that_fails_in_the_forward_steps_its_tiles_left_on_the_next_use(tmp_path):
+    result = run_distributed(run_both, 1, tmp_path, swap_root=str(tmp_path), fail_once=True)[0]
+    eager, behind = result[False], result[None]
+    assert result["injected"].get("failed"), "the failure was not injected"
+    eager["seen"].pop("pending"), behind["seen"].pop("pending")
+    assert_same(eager, behind, "rank 0")
 
 
 @pytest.mark.parametrize(
