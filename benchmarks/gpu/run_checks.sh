@@ -5,7 +5,8 @@
 # 1. tests/gpu (at most 3.5 minutes): parity with plain PyTorch at stages 2-3 on the device and offloaded; the
 #    reduced gradient streamed to pinned host memory (device peak below the gradient shard); zero.Init pieces in
 #    host memory as modules are built; host pieces rewritten by the step only after their copy to the device;
-#    stage-in copies on the side stream; NVMe gradients; split masters joined with device weights; over NCCL
+#    stage-in copies on the side stream; NVMe gradients; split masters joined with device weights; the step
+#    behind the forward against the step in engine.step(); over NCCL
 #    (two GPUs), fetches and reductions issued in one order on every rank.
 # 2. aio into and out of CUDA tensors, beside pinned host tensors (benchmarks/gpu/aio_cuda.py).
 # 3. offload_step.py at world size 1: stage 3 with host offload and with NVMe offload.

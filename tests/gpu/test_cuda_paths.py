@@ -159,6 +159,38 @@ def test_split_masters_on_cuda_train_as_fp32_masters(tmp_path, stage, param_devi
         assert abs(a - b) <= 1e-3 * abs(b), (got, want)  # cuBLAS may differ run to run; the weights do not
 
 
+@pytest.mark.parametrize("param_device", ["none", "nvme"])
+def test_the_step_behind_the_forward_on_cuda_is_the_step_in_engine_step(tmp_path, param_device):
+    """Stage 3, the optimizer on NVMe, weights on the device (or their pieces on NVMe): each unit's tiles step
+    inside the next forward's gather ([Note: step behind forward]), writing the new weights into the device piece
+    (or the host piece copied to it on the side stream); the weights equal those of the whole step inside
+    engine.step(), bitwise (the same kernels on the host, the same copies)."""
+
+    def run(behind: bool) -> tuple[list[float], dict]:
+        zero = {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}}
+        if param_device == "nvme":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                                     "max_in_cpu": 0}  # fmt: skip
+        cfg = {**config(3, **zero), "infinity": {"step_behind_forward": behind}}
+        engine, *_ = infinity.initialize(model=mlp(), config=cfg)
+        losses = []
+        for x, y in batches():
+            loss = F.mse_loss(engine(x).float(), y.cuda())
+            engine.backward(loss)
+            engine.step()
+            assert engine.zero_optimizer.step_pending == behind
+            losses.append(loss.item())
+        with infinity.zero.GatheredParameters(list(engine.module.parameters())):
+            params = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+        engine.destroy()
+        return losses, params
+
+    (want_losses, want), (got_losses, got) = run(False), run(True)
+    assert all(torch.equal(want[name], got[name]) for name in want)
+    for a, b in zip(got_losses, want_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)  # cuBLAS may differ run to run; the weights do not
+
+
 @pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 def test_stage_in_copies_run_on_the_side_stream(tmp_path, monkeypatch, param_device):
     """[Note: copy stream]: every host -> device copy of a parameter piece from host memory (a staging buffer, the
