@@ -480,7 +480,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
                 on_param_grad=self.stage3.coordinator.on_param_grad,
             )  # fmt: skip
             if offload is not None and offload.home is Tier.NVME:
-                self.zero_optimizer.step_behind_forward(self.config.infinity.step_behind_forward)
+                self.zero_optimizer.set_step_behind_forward(self.config.infinity.step_behind_forward)
             self._keep_generate_in_step()
             self.stage3.bind_reducer(self.zero_optimizer.reducer)
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)

@@ -448,7 +448,7 @@ class Coordinator:
         step runs behind the forward, a unit not stepped yet is prefetched only when it is the next such unit:
         gathering it steps it, which is compute, so it runs a unit ahead of the forward, not a prefetch bucket
         ahead ([Note: step behind forward] in unit_optimizer.py)."""
-        pending = self.table.shards.pending_step
+        pending = self.table.shards.is_pending
         if pending is not None:
             later = [index for index in prefetch if pending(index)][1:]
             prefetch = [index for index in prefetch if index not in later]

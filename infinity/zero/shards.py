@@ -104,7 +104,7 @@ class UnitShards:
         # while a step runs behind the forward ([Note: step behind forward] in unit_optimizer.py): steps a unit's
         # tiles (writing its piece) before the piece is used, and says whether a unit is still to step
         self.before_use: Callable[[int], None] | None = None
-        self.pending_step: Callable[[int], bool] | None = None
+        self.is_pending: Callable[[int], bool] | None = None
         self.version = 0  # counts writes (store, edit, commit): a copy taken at one version is current until it moves
         # an outsized piece read ahead for the step's edit (split masters): its buffer and the read in flight
         self._reading: dict[int, tuple[torch.Tensor, object]] = {}
@@ -133,7 +133,7 @@ class UnitShards:
             self.flat = torch.zeros(layout.shard_numel, dtype=dtype, device=where, pin_memory=pin)  # pinned as made:
             # no second copy of the shard
 
-    def _stepped(self, index: int) -> None:
+    def _before_use(self, index: int) -> None:
         """A step running behind the forward steps the unit's tiles before its piece is used."""
         if self.before_use is not None:
             self.before_use(index)
@@ -150,7 +150,7 @@ class UnitShards:
     def on_device(self, index: int) -> torch.Tensor | None:
         """The piece itself when it lives on the compute device (use it as the all-gather input), else None."""
         self._check_here()
-        self._stepped(index)
+        self._before_use(index)
         piece = self._resident.get(index)
         if piece is None and self.flat is not None:
             piece = self.flat[self._span(index)]
@@ -160,7 +160,7 @@ class UnitShards:
         """out <- the piece. With CUDA, inside ``copies.side()`` the copy is queued on the side stream ([Note: copy
         stream] in memory/copies.py); a staging buffer goes back to the ring when it has been copied."""
         self._check_here()
-        self._stepped(index)
+        self._before_use(index)
         if index in self._resident or self.flat is not None:
             source = self._resident[index] if index in self._resident else self.flat[self._span(index)]
             event = self.copies.copy(out, source)
@@ -191,7 +191,7 @@ class UnitShards:
         first): into the host buffer its edit takes, one such piece at a time."""
         if self.flat is not None or index in self._resident or index in self._staged:
             return True
-        if self.pending_step is not None and self.pending_step(index):
+        if self.is_pending is not None and self.is_pending(index):
             return True  # its step writes the piece, which its gather then takes from memory
         if not self.manager.fits(self._name(index)):
             if for_edit and not self._reading and index not in self._fresh and index not in self._editing_outsized:
@@ -284,7 +284,7 @@ class UnitShards:
     def store(self, index: int, values: torch.Tensor) -> None:
         """The piece <- values (building the units, an edit with GatheredParameters(modifier_rank=...))."""
         self._check_here()
-        self._stepped(index)
+        self._before_use(index)
         self._copied(index)
         self.version += 1
         if index in self._staged:
@@ -302,7 +302,7 @@ class UnitShards:
         """The piece, writable in place until ``commit(index)``. ``overwrite``: the caller writes every element
         of the piece that holds a parameter, so an NVMe piece is not read first (its padding is zeroed)."""
         self._check_here()
-        self._stepped(index)
+        self._before_use(index)
         self._copied(index)
         self.version += 1
         if index in self._resident:

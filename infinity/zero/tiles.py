@@ -155,20 +155,20 @@ class _Run:
         return found
 
 
-def _copied(value):
+def _snapshot(value):
     """A hyperparameter as it is now: a tensor (an lr a scheduler fills in place) or a tuple of them copied."""
     if torch.is_tensor(value):
         return value.clone()
     if isinstance(value, tuple):
-        return tuple(_copied(item) for item in value)
+        return tuple(_snapshot(item) for item in value)
     return value
 
 
-def _give_back(manager: TierManager, handle: SegmentHandle) -> None:
-    """A tile's buffer after a failure: back to the ring unchanged on disk (a failed read raises again: the
-    failure being raised already says it)."""
+def _give_back(release: Callable[..., None], handle: SegmentHandle) -> None:
+    """A tile's buffer after a failure: back to its ring, the segment unchanged on disk (a failed read raises
+    again: the failure being raised already says it)."""
     with contextlib.suppress(Exception):  # the original error is on its way up
-        manager.release(handle, dirty=False)
+        release(handle, dirty=False)
 
 
 class TiledStep:
@@ -239,7 +239,7 @@ class TiledStep:
         self._ahead: dict[int, SegmentHandle] = {}  # tile index -> read in flight or done
         self._grads_ahead: dict[int, SegmentHandle] = {}  # the same for swapped gradients
         self._run: _Run | None = None  # the step under way (begin_step .. end_step)
-        self.finish_step: Callable[[], None] | None = None  # while a deferred step is under way: finishes it
+        self.finish_pending: Callable[[], None] | None = None  # while a deferred step is under way: finishes it
 
     def initialize(self, tile: Tile, master: torch.Tensor) -> None:
         """The tile's first value: ``master`` (fp32, its elements) and zero states."""
@@ -394,7 +394,7 @@ class TiledStep:
         if self.rule.stepper is not None:
             self.rule.stepper.begin()  # nothing left over from a step that failed part way
         order = list(self.tiles if order is None else order)
-        groups = [{key: _copied(value) for key, value in group.items()} for group in param_groups] if deferred \
+        groups = [{key: _snapshot(value) for key, value in group.items()} for group in param_groups] if deferred \
             else param_groups
         self._run = _Run(groups, tuple(grad_factors), order, {tile.index: k for k, tile in enumerate(order)})
 
@@ -415,9 +415,9 @@ class TiledStep:
                     self._read_ahead(run.following(tile, depth), depth, block=False)
                 self._step_tile(tile, handle.wait(), grad_handle, run)
             except BaseException:
-                _give_back(self.manager, handle)  # clean: the tile steps again from its stored values
+                _give_back(self.manager.release, handle)  # clean: the tile steps again from its stored values
                 if grad_handle is not None:
-                    self.gradients.release(grad_handle)
+                    _give_back(self.gradients.manager.release, grad_handle)
                 raise
             self.manager.release(handle, dirty=True)
             run.stepped.add(tile.index)
@@ -509,10 +509,10 @@ class TiledStep:
             self._forget_weights()
 
     def drop_ahead(self) -> None:
-        """Before the tiles are visited outside the step: a step still under way finishes first (``finish_step``,
+        """Before the tiles are visited outside the step: a step still under way finishes first (``finish_pending``,
         set by a deferred step's owner), and reads started ahead let go of their buffers."""
-        if self.finish_step is not None:
-            self.finish_step()
+        if self.finish_pending is not None:
+            self.finish_pending()
         self._release_ahead()
 
     def _release_ahead(self) -> None:

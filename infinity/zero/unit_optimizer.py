@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from infinity.comm import Comm
-from infinity.errors import ConfigError
+from infinity.errors import ConfigError, InfinityError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
@@ -115,7 +115,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self._last_tile = {t.piece: t.index for t in self.tiled.tiles}
         # [Note: step behind forward]: whether the step runs unit by unit as the next forward gathers them, the
         # units still to step (in the order they are expected), and the order the last such step took them in
-        self.steps_behind_forward = False  # step_behind_forward() turns it on
+        self.steps_behind_forward = False  # set_step_behind_forward() turns it on
         self._pending: dict[int, list[Tile]] = {}
         self._stepping: int | None = None  # the unit whose tiles are stepping now
         self._unit_order: list[int] = list(self._tiles_of_unit)
@@ -242,7 +242,7 @@ class UnitOptimizer(PartitionedOptimizer):
         self._regather_persistent()
 
     # ---- [Note: step behind forward] ----
-    def step_behind_forward(self, wanted: bool | None) -> None:
+    def set_step_behind_forward(self, wanted: bool | None) -> None:
         """infinity.step_behind_forward (None: where it can, True: refused where it cannot): it can with torch's
         own kernels driven tile by tile (another class's step keeps state of its own between tiles) and masters
         that are not split (they join with pieces the step reads ahead itself)."""
@@ -266,9 +266,9 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.begin_step(self.optimizer.param_groups, self._grad_factors, order=order, deferred=True)
         self._pending = {unit: self._tiles_of_unit[unit] for unit in self._unit_order}
         self._taken = []
-        self.tiled.finish_step = self.finish_step
+        self.tiled.finish_pending = self.finish_step
         self.table.shards.before_use = self._step_unit
-        self.table.shards.pending_step = self._pending.__contains__
+        self.table.shards.is_pending = self._pending.__contains__
         if not self._pending:
             self._end_deferred()
         self._regather_persistent()  # their gathers step them first
@@ -300,13 +300,19 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def finish_step(self) -> None:
         """Steps every unit the step has not reached yet (before anything else reads the tiles or the gradient)."""
+        if self._stepping is not None and self._pending:
+            raise InfinityError(
+                f"the step behind the forward was asked to finish while unit {self._stepping}'s tiles were stepping "
+                "(a bug: nothing that runs inside a tile's step may read the tiles)"
+            )
         while self._pending:
             self._step_unit(next(iter(self._pending)))
 
     def _end_deferred(self) -> None:
-        self._unit_order = self._taken + [unit for unit in self._unit_order if unit not in set(self._taken)]
-        self.table.shards.before_use = self.table.shards.pending_step = None
-        self.tiled.finish_step = None
+        taken = set(self._taken)
+        self._unit_order = self._taken + [unit for unit in self._unit_order if unit not in taken]
+        self.table.shards.before_use = self.table.shards.is_pending = None
+        self.tiled.finish_pending = None
         self.tiled.end_step()
         self.zero_grad()
 
@@ -320,8 +326,8 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def close(self) -> None:
         self._pending.clear()  # a step not finished by now changes nothing anyone reads
-        self.table.shards.before_use = self.table.shards.pending_step = None
-        self.tiled.finish_step = None
+        self.table.shards.before_use = self.table.shards.is_pending = None
+        self.tiled.finish_pending = None
         super().close()
 
     def _forget_current_weights(self) -> None:

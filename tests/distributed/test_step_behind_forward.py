@@ -87,6 +87,9 @@ def train(engine, rank: int, world_size: int, first: int, steps: int, seen: dict
         for k in range(ACCUMULATION):
             start = k * MICRO * world_size + rank * MICRO
             loss = loss_fn(MODEL, engine(inputs[start : start + MICRO]), target[start : start + MICRO])
+            if k == 0 and step > STEPS:  # after a step nothing finished: the forward stepped every unit it used,
+                # the unused layer's is left for the backward
+                seen.setdefault("left_after_forward", []).append(len(engine.zero_optimizer._pending))
             engine.backward(loss)
             engine.step()
             total += loss.item() / ACCUMULATION
@@ -132,11 +135,12 @@ def run_both(rank: int, world_size: int, swap_root: str, fail_once: bool = False
         engine.destroy()
         resumed, *_ = infinity.initialize(model=OutOfOrder(), config=config(swap, behind))
         resumed.load_checkpoint(f"{swap_root}/ckpt-{behind}")
-        more = train(resumed, rank, world_size, STEPS, 2, {})
+        more_seen: dict = {}
+        more = train(resumed, rank, world_size, STEPS, 2, more_seen)
         after = own_pieces(resumed)
         resumed.destroy()
         out[behind] = {"losses": losses, "seen": seen, "pieces": pieces, "params": params, "more": more,
-                       "after": after}  # fmt: skip
+                       "after": after, "more_seen": more_seen}  # fmt: skip
     return out
 
 
@@ -145,16 +149,16 @@ def fail_in_the_forward_once(engine, world_size: int) -> dict:
     would); the forward raises, and the same micro-batch is run again: the tiles left step then, once each."""
     tiled = engine.zero_optimizer.tiled
     calls = {"tiles": 0}
-    step_tile = tiled._step_tile
+    store_states = tiled.store_states
 
-    def failing(tile, *args):
+    def failing(tile, segment, *args, **kwargs):
+        store_states(tile, segment, *args, **kwargs)
         calls["tiles"] += 1
-        if calls["tiles"] == len(tiled.tiles) + 3:  # the second step, its third tile
+        if calls["tiles"] == len(tiled.tiles) + 3:  # the second step, its third tile, updated in its buffer
             calls["failed"] = True
             raise OSError("injected: the disk failed")
-        return step_tile(tile, *args)
 
-    tiled._step_tile = failing
+    tiled.store_states = failing
     forward = engine.forward
 
     def forward_once_more(*args, **kwargs):
@@ -190,6 +194,10 @@ def test_the_step_behind_the_forward_is_the_step_in_engine_step_bitwise(tmp_path
         eager, behind = result[False], result[None]
         assert eager["seen"].pop("pending") == [False] * STEPS
         assert behind["seen"].pop("pending") == [True] * STEPS  # the default defers
+        assert eager["more_seen"].pop("pending") == [False] * 2
+        assert behind["more_seen"].pop("pending") == [True] * 2
+        assert eager["more_seen"].pop("left_after_forward") == [0]
+        assert behind["more_seen"].pop("left_after_forward") == [1]  # the unused layer's unit
         assert_same(eager, behind, f"rank {rank}")
         initial = dict(OutOfOrder().named_parameters())
         for name, value in eager["params"].items():  # trained: the comparison is not of untouched weights
@@ -201,7 +209,8 @@ def test_a_step_that_fails_in_the_forward_steps_its_tiles_left_on_the_next_use(t
     result = run_distributed(run_both, 1, tmp_path, swap_root=str(tmp_path), fail_once=True)[0]
     eager, behind = result[False], result[None]
     assert result["injected"].get("failed"), "the failure was not injected"
-    eager["seen"].pop("pending"), behind["seen"].pop("pending")
+    for run in (eager, behind):
+        run["seen"].pop("pending"), run["more_seen"].pop("pending"), run["more_seen"].pop("left_after_forward")
     assert_same(eager, behind, "rank 0")
 
 
