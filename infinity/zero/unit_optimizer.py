@@ -220,7 +220,6 @@ class UnitOptimizer(PartitionedOptimizer):
         if self.steps_behind_forward:
             self._defer_step()
             return
-        last = self._last_tile
         # Split masters join with the pieces: read the next units' pieces ahead as the step goes, as the forward
         # does. Not from the end of backward: staged pieces hold ring buffers that anything editing a piece before
         # the step (a partitioned-state set, a checkpoint load) would wait for in vain.
@@ -228,10 +227,8 @@ class UnitOptimizer(PartitionedOptimizer):
         self._stage_pieces(order)
 
         def on_tile(tile: Tile) -> None:
-            if tile.index == last[tile.piece]:
-                self.table.shards.commit(tile.piece)  # offloaded shards go back, behind the next tiles
-                if order:
-                    self._stage_pieces(order[order.index(tile.piece) + 1 :])
+            if self._commit_after_last_tile(tile) and order:
+                self._stage_pieces(order[order.index(tile.piece) + 1 :])
 
         try:
             self.tiled.step(self.optimizer.param_groups, on_tile, self.optimizer, grad_factors=self._grad_factors)
@@ -262,8 +259,8 @@ class UnitOptimizer(PartitionedOptimizer):
     def _defer_step(self) -> None:
         """The step starts: its hyperparameters and factors are fixed now, its tiles step as their units are
         next used (the shards ask: ``_step_unit``), the persistent units' at once (they are regathered now)."""
-        order = [tile for unit in self._unit_order for tile in self._tiles_of_unit[unit]]
-        self.tiled.begin_step(self.optimizer.param_groups, self._grad_factors, order=order, deferred=True)
+        self.tiled.begin_step(self.optimizer.param_groups, self._grad_factors, order=self._expected_tiles(),
+                              deferred=True)  # fmt: skip
         self._pending = {unit: self._tiles_of_unit[unit] for unit in self._unit_order}
         self._taken = []
         self.tiled.finish_pending = self.finish_step
@@ -281,16 +278,10 @@ class UnitOptimizer(PartitionedOptimizer):
         tiles = self._pending.get(unit)
         if tiles is None or unit == self._stepping:  # not pending, or its own tiles' edits of its piece
             return
-        last = self._last_tile
-
-        def on_tile(tile: Tile) -> None:
-            if tile.index == last[tile.piece]:
-                self.table.shards.commit(tile.piece)
-
         self._stepping = unit
         try:
             with _outside_the_forward():
-                self.tiled.step_tiles(tiles, on_tile)
+                self.tiled.step_tiles(tiles, self._commit_after_last_tile)
         finally:
             self._stepping = None
         del self._pending[unit]
@@ -311,23 +302,36 @@ class UnitOptimizer(PartitionedOptimizer):
     def _end_deferred(self) -> None:
         taken = set(self._taken)
         self._unit_order = self._taken + [unit for unit in self._unit_order if unit not in taken]
-        self.table.shards.before_use = self.table.shards.is_pending = None
-        self.tiled.finish_pending = None
+        self._unhook()
         self.tiled.end_step()
         self.zero_grad()
+
+    def _unhook(self) -> None:
+        self.table.shards.before_use = self.table.shards.is_pending = None
+        self.tiled.finish_pending = None
+
+    def _expected_tiles(self) -> list[Tile]:
+        """The tiles in the order the next step is expected to take them: the units' order of the last one."""
+        return [tile for unit in self._unit_order for tile in self._tiles_of_unit[unit]]
+
+    def _commit_after_last_tile(self, tile: Tile) -> bool:
+        """After a tile's weights are written: its unit's piece goes back once its last tile has stepped (an
+        offloaded one behind the next tiles). Whether it did."""
+        if tile.index != self._last_tile[tile.piece]:
+            return False
+        self.table.shards.commit(tile.piece)
+        return True
 
     def prefetch_states(self, *, gradients: bool = True) -> None:
         """The first tiles' reads, in the order the step will take them: from the start of the boundary's
         backward when the step runs behind the forward (whose first unit waits for its tiles, with no compute to
         hide them), without their gradients (backward writes them); those at its end."""
         if gradients or self.steps_behind_forward:
-            order = [tile for unit in self._unit_order for tile in self._tiles_of_unit[unit]]
-            self.tiled.prefetch(order, gradients=gradients)
+            self.tiled.prefetch(self._expected_tiles(), gradients=gradients)
 
     def close(self) -> None:
         self._pending.clear()  # a step not finished by now changes nothing anyone reads
-        self.table.shards.before_use = self.table.shards.is_pending = None
-        self.tiled.finish_pending = None
+        self._unhook()
         super().close()
 
     def _forget_current_weights(self) -> None:
