@@ -151,11 +151,12 @@ def heap_free_bytes() -> int | None:
 
 class SetupTrim:
     """[Note: setup memory], one per setup: called after each unit's one-off buffers are freed; under KEEP,
-    gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the last trim (a trim
-    leaves the free chunks in the heap: only their pages go)."""
+    gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the last trim, or than
+    before setup (a trim leaves the free chunks in the heap: only their pages go)."""
 
     def __init__(self) -> None:
-        self.trimmed_at = 0  # heap free bytes after the last trim
+        # heap free bytes after the last trim; at first, what lay free before setup (not its one-off buffers)
+        self.trimmed_at = heap_free_bytes() or 0
 
     def __call__(self) -> None:
         if _fixed is not KEEP:
