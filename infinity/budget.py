@@ -10,7 +10,8 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   gradient at stage 3 with the optimizer on NVMe: in host memory while a quarter of the host share holds it);
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
-  ring of tiles, and the gradient's ring when the plan sends the gradient to NVMe with it), and the pieces too
+  ring of tiles, at stage 3 as deep as the largest unit's tiles within LEAD_RING_BYTES, and the gradient's ring
+  when the plan sends the gradient to NVMe with it), and the pieces too
   large for a ring buffer, kept from the step to the next forward within the same budget;
 - every size a run decides (tiles, rings, the host cache of max_in_cpu, the swap files' segments) is the plan's
   (memory/plan.py, [Note: one plan]): the same functions the engine sizes its buffers with, so the estimate
@@ -244,7 +245,8 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
     plan = make_plan(zero, world_size=n, local_ranks=shape.local_ranks, state_width=state_width,
                      host_share=shape.host_available // shape.local_ranks,
                      gradient_bytes=sum(layout.runs) * 4 if zero.stage == 3 else 0,
-                     gradient_itemsize=GRADIENT_DTYPES[config.infinity.offloaded_gradient_dtype].itemsize)  # fmt: skip
+                     gradient_itemsize=GRADIENT_DTYPES[config.infinity.offloaded_gradient_dtype].itemsize,
+                     largest_unit_numel=max(layout.runs, default=0) if zero.stage == 3 else 0)  # fmt: skip
     grad_on_nvme = plan.gradients_on_nvme
     swap = swap_need(plan, zero, layout, state_width=state_width, param_itemsize=width)
 

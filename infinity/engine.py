@@ -512,10 +512,12 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         self.swap_need: SwapNeed | None = None  # bytes of this rank's swap files, as the plan counts them
         layout = self._layout_sizes(optimizer) if self.node.paths else None
         gradient_bytes = sum(layout.runs) * 4 if layout is not None and zero.stage == 3 else 0
+        largest_unit = max(layout.runs, default=0) if layout is not None and zero.stage == 3 else 0
         gradient_itemsize = GRADIENT_DTYPES[self.config.infinity.offloaded_gradient_dtype].itemsize
         self.plan: Plan = make_plan(zero, world_size=self.comm.world_size, local_ranks=self.node.local_ranks,
                                     host_share=self.node.host_share, state_width=width,
-                                    gradient_bytes=gradient_bytes, gradient_itemsize=gradient_itemsize)  # fmt: skip
+                                    gradient_bytes=gradient_bytes, gradient_itemsize=gradient_itemsize,
+                                    largest_unit_numel=largest_unit)  # fmt: skip
         if layout is None:
             return
         need = swap_need(self.plan, zero, layout, state_width=width, param_itemsize=self.compute_dtype.itemsize)

@@ -420,7 +420,9 @@ class NvmeStore:
 
     ``run_id`` names the run's folder; every rank of a run must pass the same one (the engine agrees one
     over the process group); default: time and pid (fine for one process). ``handle`` is used, not
-    owned: close it yourself. ``checksum``: see the module docstring for what it costs.
+    owned: close it yourself; so is ``read_handle``, which takes the reads where given (its own queue, so a
+    read is not queued behind the writes before it: [Note: reads beside writes] in offload.py). ``checksum``:
+    see the module docstring for what it costs.
 
     The files go away at ``close()``, when the store is collected, at interpreter exit (atexit), and on
     SIGINT / SIGTERM: the first store opened in the main thread installs handlers that remove every open
@@ -436,13 +438,15 @@ class NvmeStore:
         nvme_path: str | os.PathLike,
         *,
         handle: AioHandle,
+        read_handle: AioHandle | None = None,
         rank: int = 0,
         run_id: str | None = None,
         segments: Iterable[tuple[str, int]] = (),
         checksum: bool = False,
     ) -> None:
-        if not isinstance(handle, AioHandle):
-            raise ConfigError(f"NvmeStore needs an AioHandle to move its bytes, got {type(handle).__name__}")
+        for what in (handle, read_handle or handle):
+            if not isinstance(what, AioHandle):
+                raise ConfigError(f"NvmeStore needs an AioHandle to move its bytes, got {type(what).__name__}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
         run_id = default_run_id() if run_id is None else run_id
@@ -458,6 +462,7 @@ class NvmeStore:
         self.run_id = run_id
         self.checksum = checksum
         self._handle = handle
+        self._read_handle = read_handle or handle  # [Note: reads beside writes]
         self._files = SwapFolder(self.nvme_path, run_id, rank)
         # fixed at open, then grown in place by append() (zero.Init: one segment per parameter, so never copied)
         self._segments: dict[str, Segment] | None = None
@@ -608,7 +613,7 @@ class NvmeStore:
         segment = self._segment(name, tensor)
         self._check_swap_file(segment)
         crc = self._checksums.get(name) if self._checksums is not None else None
-        request = self._handle.submit_pread(tensor, self._files.swap, segment.offset)
+        request = self._read_handle.submit_pread(tensor, self._files.swap, segment.offset)
         return self._wrap(segment, request, tensor, crc)
 
     def sync_write(self, name: str, tensor: torch.Tensor) -> int:

@@ -35,10 +35,20 @@ def agree_run_id(comm: Comm) -> str:
 
 def _nvme_manager(path: str, aio: AioSettings, *, rank: int, run_id: str, kind: str, buffers: int, pin: bool,
                   owner: str | None = None) -> TierManager:  # fmt: skip
-    handle = AioHandle.from_settings(aio)
-    store = NvmeStore(path, handle=handle, rank=rank, run_id=f"{run_id}-{kind}")
+    """[Note: reads beside writes]
+    A handle runs its requests in the order they came, so a read started after a few tiles' writes used to wait
+    for all of them. Reads are what a step or a forward waits for; writes only have to land before their buffer is
+    used again. So each swap store takes two handles, one for its writes and one for its reads, and a read runs
+    beside the writes queued before it. The order of a segment's own read and write is the tier manager's:
+    it never reads a segment whose write is still in flight (a ring buffer's newest bytes are taken back, a
+    loose write is waited for). Measured on GPT-2 small with everything on NVMe, world size 1: the first units'
+    optimizer tiles, whose reads the forward waits for behind the embedding's 463 MB of writes, waited 75-106 ms
+    for a 2-20 MB read with one queue and 3-15 ms with two."""
+    handle, read_handle = AioHandle.from_settings(aio), AioHandle.from_settings(aio)
+    store = NvmeStore(path, handle=handle, read_handle=read_handle, rank=rank, run_id=f"{run_id}-{kind}")
     extra = {} if owner is None else {"owner": owner}
-    return TierManager(store=store, handle=handle, buffer_count=buffers, pin_memory=pin, **extra)
+    return TierManager(store=store, handle=handle, read_handle=read_handle, buffer_count=buffers, pin_memory=pin,
+                       **extra)  # fmt: skip
 
 
 def parameter_tier(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: str | None,

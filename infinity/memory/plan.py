@@ -18,7 +18,8 @@ host: the minimum makes every rank agree, the division makes the ranks of a node
 holds the parameter pieces max_in_cpu keeps in host memory, another the reduced fp32 gradient at stage 3 with the
 optimizer on NVMe (``gradients_on_nvme``: when it does not fit there it goes to NVMe with the tiles), and at most a
 sixteenth (and STAGING_BUDGET_BYTES) each of the NVMe staging rings (the parameters', the optimizer's with its
-gradients') and of the outsized pieces kept from the step to the next forward, and of a checkpoint's transfers in
+gradients', which at stage 3 may take up to LEAD_RING_BYTES to hold the largest unit's tiles: [Note: the lead
+unit's ring]) and of the outsized pieces kept from the step to the next forward, and of a checkpoint's transfers in
 flight (save_checkpoint and load_checkpoint only, at most CHECKPOINT_IO_BYTES): three quarters of the share at most,
 the rest is left to activations, gathered units, gradient buckets and the runtime. On a node with 4 GiB or more per
 rank the rings keep their full budget; on a very small share the optimizer's ring still holds tiles of
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from infinity.comm import Comm
 
 STAGING_BUDGET_BYTES = 256 << 20  # the most one staging ring (or the outsized pieces' cache) holds per rank
+LEAD_RING_BYTES = 512 << 20  # stage 3: the optimizer's ring may grow to this to hold the largest unit's tiles
 MIN_TILE_NUMEL = 1 << 20  # a smaller tile is too small a request to keep the disk busy
 MAX_TILE_GATHERS = 2  # stages 1-2: gathers of new weights in flight at once (zero/bucket_optimizer.py)
 TILE_MULTIPLE = 64  # tiles are cut at multiples of 64 elements (zero/tiles.py, cut: SIMD lanes)
@@ -198,14 +200,15 @@ class Plan:
 
 
 def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share: int, state_width: float,
-              gradient_bytes: int = 0, gradient_itemsize: int = 4) -> Plan:  # fmt: skip
+              gradient_bytes: int = 0, gradient_itemsize: int = 4, largest_unit_numel: int = 0) -> Plan:  # fmt: skip
     """The sizes of a run. ``state_width``: fp32 tensors per element of an optimizer tile (master + optimizer
     states; fractional where the states are compact, [Note: compact states] in zero/compact.py); 0 without
     optimizer. ``gradient_bytes``: the rank's reduced fp32 gradient (stage 3), which stays in
     host memory when a quarter of the share holds it, as at stages 1-2, and goes to NVMe with the optimizer
     otherwise (its ring is as deep as the tiles'). In memory it moves no bytes through the disk: on NVMe it is
     written by backward and read by the step, 8 of the ~36 bytes a parameter moves per step (4 where
-    ``gradient_itemsize`` is 2: stored in bf16)."""
+    ``gradient_itemsize`` is 2: stored in bf16). ``largest_unit_numel``: stage 3, the rank's largest unit piece
+    ([Note: the lead unit's ring])."""
     staging = min(STAGING_BUDGET_BYTES, host_share // STAGING_PART)
     optimizer_buffers = max(zero.offload_optimizer.buffer_count, 3)  # one stepping, one reading, one writing
     on_nvme = zero.offload_optimizer.device == "nvme" and state_width > 0
@@ -216,6 +219,8 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
         cap = max(int(staging // (optimizer_buffers * width * 4)), MIN_TILE_NUMEL)
         tile = min(tile, cap)
     tile = max(tile // TILE_MULTIPLE * TILE_MULTIPLE, TILE_MULTIPLE)
+    if on_nvme and zero.stage == 3 and largest_unit_numel:
+        optimizer_buffers = max(optimizer_buffers, lead_ring_buffers(largest_unit_numel, tile, width, host_share))
     return Plan(
         world_size=world_size, local_ranks=local_ranks, host_share=host_share,
         host_cache_bytes=host_share // HOST_CACHE_PART, staging_bytes=staging, tile_numel=tile,
@@ -224,6 +229,21 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
         param_buffers=max(zero.offload_param.buffer_count, 1),
         checkpoint_io_bytes=min(CHECKPOINT_IO_BYTES, host_share // STAGING_PART),
     )  # fmt: skip
+
+
+def lead_ring_buffers(unit_numel: int, tile_numel: int, width: float, host_share: int) -> int:
+    """[Note: the lead unit's ring]
+    At stage 3 with the optimizer on NVMe the step's first tiles are read during backward, as far as the ring
+    goes, and the rest when the next forward first uses their unit. The first unit is usually the largest (the
+    embedding, GPT-2's tied to its head: 38.6M elements, 463 MB of master and Adam states at world size 1), and the
+    forward's first operation waits for all of it: with 4 buffers of 64 MiB, 3 of its 7 tiles were read in the
+    forward, each behind the writes of the tiles before (150-190 ms a step). So the ring takes as many buffers as
+    the largest unit piece has tiles, and one for the small pieces before it, within LEAD_RING_BYTES and the
+    share's sixteenth; offload_optimizer.buffer_count stays the least. The tile size does not change, so neither
+    do the tiles or their results."""
+    buffer_bytes = max(int(tile_numel * width * 4), 1)
+    room = min(LEAD_RING_BYTES, host_share // STAGING_PART) // buffer_bytes
+    return min(-(-unit_numel // tile_numel) + 1, room)
 
 
 def host_kept(pieces: Iterable[tuple[int, int]], cap: int) -> set[int]:

@@ -158,6 +158,7 @@ class TierManager:
         *,
         store: NvmeStore | None = None,
         handle: AioHandle | None = None,
+        read_handle: AioHandle | None = None,
         buffer_count: int = 4,
         pin_memory: bool = False,
         device: torch.device | None = None,
@@ -167,6 +168,7 @@ class TierManager:
             raise ConfigError(f"buffer_count must be >= 1, got {buffer_count}")
         self.store = store
         self._handle = handle  # owned: closed with the manager
+        self._read_handle = read_handle  # owned too: the store's reads, where they have their own queue
         self.buffer_count = buffer_count
         self.owner = owner  # the config section whose buffer_count sizes the ring, for errors
         self.buffer_bytes: int | None = None  # the ring's buffer size; default (None): the largest NVMe segment
@@ -453,6 +455,7 @@ class TierManager:
             self._homes.clear()
             if self.store is not None:
                 self.store.close()
-            if self._handle is not None:
-                self._handle.close()
-                self._handle = None
+            for handle in (self._handle, self._read_handle):
+                if handle is not None:
+                    handle.close()
+            self._handle = self._read_handle = None

@@ -155,6 +155,29 @@ def test_close_with_requests_in_flight_keeps_their_descriptors_until_they_comple
     assert fd_count() == before
 
 
+def test_reads_run_beside_the_writes_queued_before_them(tmp_path, handle):
+    """With a read_handle ([Note: reads beside writes] in infinity/memory/offload.py) a read does not wait for the
+    writes submitted before it: with the write handle's workers parked, a read of another segment lands, with
+    the bytes written earlier, while the queued write is still not done. The writes land once the gate opens."""
+    old, new = random_tensor(MiB, seed=1), random_tensor(MiB, seed=2)
+    with AioHandle() as reads:
+        store = NvmeStore(tmp_path, handle=handle, read_handle=reads, segments=[("a", MiB), ("b", MiB)]).open()
+        try:
+            store.sync_write("b", old)
+            gate = WorkerGate(handle)
+            write = store.write("a", new)
+            got = torch.empty(MiB, dtype=torch.uint8)
+            store.read("b", got).wait(timeout=10)
+            queued = not write.done()
+            gate.open()
+            write.wait()
+            assert queued and as_bytes(got) == as_bytes(old)
+            store.sync_read("a", got)
+            assert as_bytes(got) == as_bytes(new)
+        finally:
+            store.close()
+
+
 def test_a_write_after_the_file_is_deleted_does_not_hide_it(tmp_path, handle):
     """The open descriptors keep writing to the unlinked file; the next read still fails, naming it."""
     with NvmeStore(tmp_path, handle=handle, segments=[("a", 10000)]) as store:

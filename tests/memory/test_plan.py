@@ -219,6 +219,35 @@ def test_the_gradient_stays_in_host_memory_while_a_quarter_of_the_share_holds_it
         assert larger_need.gradients == 0 and larger.tile_numel == fits.tile_numel
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_optimizer_ring_holds_the_largest_units_tiles_within_its_bounds(stage):
+    """Pure ([Note: the lead unit's ring]): at stage 3 with the optimizer on NVMe the ring takes a buffer per tile
+    of the largest unit piece, and one more, so the step's first unit is read whole during backward; never fewer
+    than buffer_count, never more than LEAD_RING_BYTES or a sixteenth of the share, and the tiles stay the size
+    the default ring gives them. Stages 1-2, and a unit that fits the default ring, change nothing."""
+    zero = ZeroConfig(stage=stage, offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path="/swap"))
+
+    def plan(largest: int, share: int = 16 << 30):
+        return memory_plan.make_plan(zero, world_size=1, local_ranks=1, host_share=share, state_width=3,
+                                     largest_unit_numel=largest)  # fmt: skip
+
+    default = plan(0)
+    tile, buffers = default.tile_numel, default.optimizer_buffers  # 256 MiB in 4 buffers: ~5.6M-element tiles
+    buffer_bytes = tile * 12
+    gpt2_embedding = plan(38_597_376)  # GPT-2 small's tied embedding at world size 1: 7 tiles
+    assert plan(tile).optimizer_buffers == buffers  # one tile and one more: under buffer_count
+    huge = plan(262_668_288)  # a 128k-token, 2048-wide embedding: 47 tiles, more than LEAD_RING_BYTES holds
+    small_share = plan(38_597_376, share=4 * buffer_bytes * memory_plan.STAGING_PART)  # a sixteenth: 4 buffers
+    for made in (gpt2_embedding, huge, small_share):
+        assert made.tile_numel == tile
+    if stage == 2:
+        assert gpt2_embedding.optimizer_buffers == huge.optimizer_buffers == buffers
+        return
+    assert gpt2_embedding.optimizer_buffers == 8
+    assert huge.optimizer_buffers == memory_plan.LEAD_RING_BYTES // buffer_bytes
+    assert small_share.optimizer_buffers == buffers
+
+
 def test_a_save_and_a_load_queue_no_more_than_the_plan_allows(tmp_path, monkeypatch, one_thread):
     """The checkpoint's transfers in flight are the plan's, from the rank's host share (a sixteenth of
     INFINITY_HOST_MEMORY_BYTES here: 4 MiB), not a fixed size per rank: the most ever queued stays within it
