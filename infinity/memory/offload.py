@@ -41,11 +41,17 @@ def _nvme_manager(path: str, aio: AioSettings, *, rank: int, run_id: str, kind: 
     used again. So each swap store takes two handles, one for its writes and one for its reads, and a read runs
     beside the writes queued before it. The order of a segment's own read and write is the tier manager's:
     it never reads a segment whose write is still in flight (a ring buffer's newest bytes are taken back, a
-    loose write is waited for). Measured on GPT-2 small with everything on NVMe, world size 1: the first units'
-    optimizer tiles, whose reads the forward waits for behind the embedding's 463 MB of writes, waited 75-106 ms
-    for a 2-20 MB read with one queue and 3-15 ms with two."""
+    loose write is waited for), and it never writes a segment while a read of it started by ``start_read`` is
+    still in flight (the write waits for that read). Measured on GPT-2 small with everything on NVMe, world
+    size 1: the first units' optimizer tiles, whose reads the forward waits for behind the embedding's 463 MB of
+    writes, waited 75-106 ms for a 2-20 MB read with one queue and 3-15 ms with two."""
     handle, read_handle = AioHandle.from_settings(aio), AioHandle.from_settings(aio)
-    store = NvmeStore(path, handle=handle, read_handle=read_handle, rank=rank, run_id=f"{run_id}-{kind}")
+    try:
+        store = NvmeStore(path, handle=handle, read_handle=read_handle, rank=rank, run_id=f"{run_id}-{kind}")
+    except BaseException:
+        handle.close()
+        read_handle.close()
+        raise
     extra = {} if owner is None else {"owner": owner}
     return TierManager(store=store, handle=handle, read_handle=read_handle, buffer_count=buffers, pin_memory=pin,
                        **extra)  # fmt: skip
@@ -86,8 +92,9 @@ def optimizer_tiers(zero: ZeroConfig, aio: AioSettings, *, rank: int, run_id: st
     if spec.device != "nvme":
         return TierManager(pin_memory=spec.pin_memory), Tier.HOST
     if plan.optimizer_buffers != spec.buffer_count and rank == 0:
-        logger.info("offload_optimizer.buffer_count %d raised to %d (reading, stepping, writing)", spec.buffer_count,
-                    plan.optimizer_buffers)  # fmt: skip
+        why = "reading, stepping, writing" if plan.optimizer_buffers <= 3 else "the largest unit's tiles and one more"
+        logger.info("offload_optimizer.buffer_count %d raised to %d (%s)", spec.buffer_count, plan.optimizer_buffers,
+                    why)  # fmt: skip
     manager = _nvme_manager(spec.nvme_path, aio, rank=rank, run_id=run_id, kind="optimizer",
                             buffers=plan.optimizer_buffers, pin=spec.pin_memory)  # fmt: skip
     return manager, Tier.NVME

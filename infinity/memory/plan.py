@@ -22,9 +22,9 @@ gradients', which at stage 3 may take up to LEAD_RING_BYTES to hold the largest 
 unit's ring]) and of the outsized pieces kept from the step to the next forward, and of a checkpoint's transfers in
 flight (save_checkpoint and load_checkpoint only, at most CHECKPOINT_IO_BYTES): three quarters of the share at most,
 the rest is left to activations, gathered units, gradient buckets and the runtime. On a node with 4 GiB or more per
-rank the rings keep their full budget; on a very small share the optimizer's ring still holds tiles of
-MIN_TILE_NUMEL elements. At stages 1-2 a tile's new weights travel in gathers of at most allgather_bucket_size
-elements (all ranks' parts together).
+rank the rings keep their full budget (8 GiB for stage 3's optimizer ring to reach LEAD_RING_BYTES); on a very
+small share the optimizer's ring still holds tiles of MIN_TILE_NUMEL elements. At stages 1-2 a tile's new weights
+travel in gathers of at most allgather_bucket_size elements (all ranks' parts together).
 
 NVMe: the plan adds up every swap file's segments (each 4 KiB-aligned, as the store lays them out) for each
 rank, and ``check_room`` sets the ranks of each host against the free space of each filesystem before any
@@ -185,7 +185,8 @@ class Plan:
     local_ranks: int  # ranks on a host (the most crowded one): what the host share was divided by, at most
     host_share: int  # bytes of host memory this rank plans with
     host_cache_bytes: int  # parameter pieces kept in host memory (max_in_cpu), at most
-    staging_bytes: int  # each NVMe staging ring, and the outsized parameter pieces kept behind the step, at most
+    staging_bytes: int  # each NVMe staging ring (stage 3's optimizer ring: LEAD_RING_BYTES), the outsized pieces kept
+    # behind the step, at most
     tile_numel: int  # elements per optimizer tile (a multiple of TILE_MULTIPLE): every rank cuts the same tiles
     gather_numel: int  # stages 1-2: elements per rank in one all-gather of new weights (allgather_bucket_size)
     optimizer_buffers: int  # the optimizer's NVMe ring (and its gradients')
@@ -219,7 +220,7 @@ def make_plan(zero: ZeroConfig, *, world_size: int, local_ranks: int, host_share
         cap = max(int(staging // (optimizer_buffers * width * 4)), MIN_TILE_NUMEL)
         tile = min(tile, cap)
     tile = max(tile // TILE_MULTIPLE * TILE_MULTIPLE, TILE_MULTIPLE)
-    if on_nvme and zero.stage == 3 and largest_unit_numel:
+    if on_nvme and zero.stage == 3 and largest_unit_numel and tile >= MIN_TILE_NUMEL:
         optimizer_buffers = max(optimizer_buffers, lead_ring_buffers(largest_unit_numel, tile, width, host_share))
     return Plan(
         world_size=world_size, local_ranks=local_ranks, host_share=host_share,
@@ -240,8 +241,9 @@ def lead_ring_buffers(unit_numel: int, tile_numel: int, width: float, host_share
     forward, each behind the writes of the tiles before (150-190 ms a step). So the ring takes as many buffers as
     the largest unit piece has tiles, and one for the small pieces before it, within LEAD_RING_BYTES and the
     share's sixteenth; offload_optimizer.buffer_count stays the least. The tile size does not change, so neither
-    do the tiles or their results."""
-    buffer_bytes = max(int(tile_numel * width * 4), 1)
+    do the tiles or their results. Only tiles of MIN_TILE_NUMEL and more (each buffer is mapped in whole huge
+    pages): a smaller sub_group_size keeps the ring buffer_count deep, as asked."""
+    buffer_bytes = -(-max(int(tile_numel * width * 4), 1) // buffers.HUGE_PAGE_BYTES) * buffers.HUGE_PAGE_BYTES
     room = min(LEAD_RING_BYTES, host_share // STAGING_PART) // buffer_bytes
     return min(-(-unit_numel // tile_numel) + 1, room)
 

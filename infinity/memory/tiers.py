@@ -182,6 +182,9 @@ class TierManager:
         self._held: dict[str, SegmentHandle] = {}  # NVMe segments in a ring buffer, by name
         # write_from(block=False): writes not from the ring, each with the tensor it reads from
         self._loose_writes: dict[str, tuple[SegmentRequest, torch.Tensor]] = {}
+        # start_read's reads into callers' tensors, until finish_read: a write of the segment waits for its read
+        # (reads and writes have their own queues: [Note: reads beside writes] in offload.py)
+        self._reads: dict[str, SegmentRequest] = {}
         self._traffic = {d: Traffic() for d in DIRECTIONS}
         self._window = {d: Traffic() for d in DIRECTIONS}
         self._outsized = {d: Traffic() for d in DIRECTIONS}
@@ -246,6 +249,7 @@ class TierManager:
         if spec.home is not Tier.NVME:
             return SegmentHandle(spec, self._homes[name], None, None, self)
         self._check_not_held(name, "acquiring it again")
+        self._after_read(name)
         self.reap_loose_writes()
         if name in self._loose_writes:
             self.settle(name)
@@ -309,10 +313,14 @@ class TierManager:
         self._check_not_held(name, "reading it")
         self.reap_loose_writes()
         self.settle(name)
-        return self.store.read(name, out)
+        request = self.store.read(name, out)
+        self._reads[name] = request
+        return request
 
     def finish_read(self, name: str, request: SegmentRequest) -> None:
         """Waits for a read ``start_read`` began (a failed one raises here), counted in the traffic."""
+        if self._reads.get(name) is request:
+            del self._reads[name]
         self._wait(request, "nvme_read", self._specs[name].nbytes, outsized=not self.fits(name))
 
     def write_from(self, name: str, values: torch.Tensor, *, block: bool = True) -> None:
@@ -321,6 +329,7 @@ class TierManager:
         waits); loose writes in flight hold at most the ring's bytes (or one write), the oldest waited for first."""
         spec = self._specs[name]
         self._check_not_held(name, "writing it")
+        self._after_read(name)
         self.settle(name)
         self.reap_loose_writes()
         values = values.contiguous()
@@ -340,6 +349,13 @@ class TierManager:
                 f"NVMe segment {name!r} of {self.owner} is held (acquired, not released): release its handle before "
                 f"{doing}; two copies of one segment would overwrite each other's changes"
             )
+
+    def _after_read(self, name: str) -> None:
+        """Waits for a start_read of the segment still in flight (its failure is finish_read's to raise): a write
+        must not land before it, and a ring buffer read must not race it."""
+        request = self._reads.get(name)
+        if request is not None and not request.done():
+            request.exception()
 
     def _loose_bytes(self) -> int:
         return sum(self._specs[name].nbytes for name in self._loose_writes)
@@ -448,6 +464,7 @@ class TierManager:
             self._writing.clear()
             self._writing_by_name.clear()
             self._loose_writes.clear()
+            self._reads.clear()
             self._held.clear()
             for slot in self._ring:
                 slot.buffer.release()
@@ -455,7 +472,10 @@ class TierManager:
             self._homes.clear()
             if self.store is not None:
                 self.store.close()
-            for handle in (self._handle, self._read_handle):
+            handle, read_handle, self._handle, self._read_handle = self._handle, self._read_handle, None, None
+            try:
                 if handle is not None:
                     handle.close()
-            self._handle = self._read_handle = None
+            finally:
+                if read_handle is not None:
+                    read_handle.close()

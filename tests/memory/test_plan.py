@@ -244,8 +244,16 @@ def test_the_optimizer_ring_holds_the_largest_units_tiles_within_its_bounds(stag
         assert gpt2_embedding.optimizer_buffers == huge.optimizer_buffers == buffers
         return
     assert gpt2_embedding.optimizer_buffers == 8
+    assert plan(4 * tile + 1).optimizer_buffers == 6  # 5 tiles and one more: under the cap
     assert huge.optimizer_buffers == memory_plan.LEAD_RING_BYTES // buffer_bytes
     assert small_share.optimizer_buffers == buffers
+    on_cpu = ZeroConfig(stage=3, offload_optimizer=OffloadOptimizerConfig(device="cpu"))
+    tiny_tiles = ZeroConfig(stage=3, sub_group_size=512,
+                            offload_optimizer=OffloadOptimizerConfig(device="nvme", nvme_path="/swap"))  # fmt: skip
+    for zero_ in (on_cpu, tiny_tiles):  # no NVMe ring; tiles below MIN_TILE_NUMEL: the ring stays as asked
+        made = memory_plan.make_plan(zero_, world_size=1, local_ranks=1, host_share=16 << 30, state_width=3,
+                                     largest_unit_numel=38_597_376)  # fmt: skip
+        assert made.optimizer_buffers == buffers
 
 
 def test_a_save_and_a_load_queue_no_more_than_the_plan_allows(tmp_path, monkeypatch, one_thread):

@@ -4,6 +4,7 @@ ring, its ordering guarantee, its budget, its accounting and its cleanup."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from infinity.aio.files import AioFile
 from infinity.errors import AioError, ConfigError, TierBudgetError
 from infinity.memory import NvmeStore
 from infinity.memory.tiers import Residency, SegmentHeldError, Tier, TierManager
+from tests.aio.test_requests import WorkerGate
 
 MiB = 1 << 20
 
@@ -157,6 +159,39 @@ def test_a_read_never_overtakes_a_pending_write_of_the_same_segment(tmp_path):
         fresh = manager.acquire("x")
         assert fresh._request is not None and bool((fresh.wait() == value).all())
         manager.release(fresh, dirty=False)
+    finally:
+        manager.close()
+
+
+def test_a_write_waits_for_a_read_of_the_same_segment_on_the_other_queue(tmp_path):
+    """Reads and writes have their own queues ([Note: reads beside writes] in infinity/memory/offload.py), so order
+    alone no longer keeps a write from landing before a read of the same bytes started earlier: with the read
+    queue parked, write_from of the segment waits for start_read's read, which then gets the old values, and the
+    disk ends with the new ones."""
+    numel = MiB // 4
+    writes, reads = AioHandle(), AioHandle()
+    store = NvmeStore(tmp_path, handle=writes, read_handle=reads, run_id="tiers")
+    manager = TierManager(store=store, handle=writes, read_handle=reads, buffer_count=3)
+    manager.add("x", numel, Tier.NVME)
+    manager.open()
+    try:
+        manager.initialize("x", lambda t: t.fill_(1.0))
+        manager.flush()
+        gate = WorkerGate(reads)
+        old = torch.empty(numel)
+        request = manager.start_read("x", old)
+        writer = threading.Thread(target=manager.write_from, args=("x", torch.full((numel,), 2.0)))
+        writer.start()
+        writer.join(0.5)
+        waited = writer.is_alive()
+        gate.open()
+        writer.join(30)
+        manager.finish_read("x", request)
+        assert waited and not writer.is_alive()
+        assert bool((old == 1.0).all())
+        new = torch.empty(numel)
+        manager.read_into("x", new)
+        assert bool((new == 2.0).all())
     finally:
         manager.close()
 
