@@ -58,6 +58,7 @@ from infinity.precision import LossScaler, compute_dtype
 from infinity.zero.bucket_optimizer import ZeroOptimizer
 from infinity.zero.compact import codecs_for
 from infinity.zero.coordinator import FetchStats
+from infinity.zero.gradient_shards import FirstForwardProbe
 from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.init import init_swap_bytes, take_whole
 from infinity.zero.optimizer import Offload
@@ -392,6 +393,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self._abandon(offload)
             raise
         self.optimizer = self.zero_optimizer
+        # whether the gradient is kept across steps, from the first training forward ([Note: gradient kept ...])
+        self._gradient_probe = FirstForwardProbe(self.zero_optimizer.gradients_in_memory)
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
             plan = self.plan
@@ -710,10 +713,14 @@ class Engine(EngineControls, EngineGetters, nn.Module):
     def forward(self, *args, **kwargs):
         self.check_states_here("forward", ("lp_params",))
         start = time.perf_counter()
+        probe = getattr(self, "_gradient_probe", None)
+        heap_before = None if probe is None else probe.begin()
         output = self.module(
             *_cast_inputs(args, self.compute_dtype, self.device),
             **_cast_inputs(kwargs, self.compute_dtype, self.device),
         )
+        if heap_before is not None:
+            probe.end(heap_before)
         self._phase_seconds["forward"] += time.perf_counter() - start
         return output
 

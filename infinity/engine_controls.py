@@ -93,6 +93,8 @@ class EngineControls:
         self.stage3.table.pool.clear()
         self.stage3.table.shards.drop_spares()
         self.zero_optimizer.reducer.drop_spares(all_of_them=True)
+        if self.zero_optimizer.gradients_in_memory is not None:
+            self.zero_optimizer.gradients_in_memory.release()  # a gradient kept across steps, between windows
 
     # ---- DeepSpeed's offload_states / reload_states ([Note: parking] in memory/parking.py) ----
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False,

@@ -140,13 +140,30 @@ class _MallInfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
 
 
-def heap_free_bytes() -> int | None:
-    """Bytes free inside the main heap (glibc's mallinfo2: 2.33 and later); None where it cannot be read."""
+def _mallinfo2() -> _MallInfo2 | None:
+    """glibc's mallinfo2 (2.33 and later); None where it cannot be read."""
     mallinfo2 = getattr(_libc(), "mallinfo2", None)
     if mallinfo2 is None:
         return None
     mallinfo2.restype = _MallInfo2
-    return int(mallinfo2().fordblks)
+    return mallinfo2()
+
+
+def heap_free_bytes() -> int | None:
+    """Bytes free inside the main heap; None where they cannot be read."""
+    info = _mallinfo2()
+    return None if info is None else int(info.fordblks)
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes allocated from the main heap and not yet freed; None where they cannot be read."""
+    info = _mallinfo2()
+    return None if info is None else int(info.uordblks)
+
+
+def keeps_freed_blocks() -> bool:
+    """Whether the engine's heap policy is KEEP (freed blocks stay in the process)."""
+    return _fixed is KEEP
 
 
 class SetupTrim:

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 import infinity
-from infinity.zero.gradient_shards import GradientShards
+from infinity.memory import host
+from infinity.zero import gradient_shards
+from infinity.zero.gradient_shards import GradientShards, keep_across_steps
 
 
 def test_first_piece_copies_later_ones_add_and_missing_regions_read_as_zeros():
@@ -25,6 +27,83 @@ def test_first_piece_copies_later_ones_add_and_missing_regions_read_as_zeros():
     assert shards.held_bytes() == 0
     shards.write(0, 4, torch.ones(4))  # a new window starts from nothing again
     assert shards.tensors()[0].tolist() == [0.0] * 4 + [1.0] * 4
+
+
+def test_a_kept_gradient_reads_nothing_of_the_last_window():
+    """[Note: gradient kept across steps]: kept, the tensor stays allocated after free(), and the next window's
+    first piece of a region is copied over the old values, and a region that gets none reads zeros."""
+    shards = GradientShards([[(0, 4), (4, 4)]], [8], torch.device("cpu"))
+    shards.kept = True
+    shards.write(0, 0, torch.full((4,), 2.0))
+    shards.write(0, 4, torch.full((4,), 7.0))
+    (flat,) = shards.tensors()
+    shards.free()
+    assert shards.held_bytes() == 32
+    shards.write(0, 0, torch.full((4,), 3.0))
+    shards.write(0, 0, torch.full((4,), 1.0))
+    (again,) = shards.tensors()
+    assert again.data_ptr() == flat.data_ptr()  # the same memory, reused
+    assert again.tolist() == [4.0] * 4 + [0.0] * 4
+    shards.release()  # within a window: stays
+    assert shards.held_bytes() == 32
+    shards.free()
+    shards.release()  # between windows (empty_partition_cache, offload_states): given back
+    assert shards.held_bytes() == 0
+
+
+def test_the_gradient_is_kept_only_when_large_and_larger_than_the_first_forwards_heap():
+    minimum = gradient_shards.KEPT_GRADIENT_MIN_BYTES
+    assert keep_across_steps(minimum, minimum - 1)
+    assert not keep_across_steps(minimum, minimum)  # the activations would take its blocks
+    assert not keep_across_steps(minimum - 1, 0)  # too small to matter
+
+
+def _train(model: nn.Module, batch: int, stage: int, steps: int = 3) -> tuple[list[float], list[torch.Tensor], bool]:
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, *_ = infinity.initialize(model=model, config=config)
+    assert host.keeps_freed_blocks()  # training in memory: KEEP (a run the user's glibc settings govern: not here)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(batch, model[0].in_features, generator=gen)
+        loss = engine(inputs).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    shards = engine.zero_optimizer.gradients_in_memory
+    kept = shards.kept and shards.held_bytes() == shards.nbytes  # still allocated after the step
+    params = [p.detach().clone() for p in engine.module_state_dict().values()]
+    engine.destroy()
+    return losses, params, kept
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_gradient_larger_than_the_first_forwards_heap_is_kept_and_changes_nothing(stage, monkeypatch):
+    """[Note: gradient kept across steps], with the size threshold lowered to this model's: wide layers and a
+    batch of 2 (a 2 MiB gradient, a few KiB of activations) keep their gradient between steps; narrow layers and
+    a large batch (1 KiB of gradient, MiBs of activations) free it. Kept or not, the losses and weights are
+    bitwise the same."""
+
+    def wide() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+
+    def narrow() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+    monkeypatch.setattr(gradient_shards, "KEPT_GRADIENT_MIN_BYTES", 1 << 20)
+    kept_losses, kept_params, kept = _train(wide(), 2, stage)
+    _, _, narrow_kept = _train(narrow(), 65536, stage)
+    monkeypatch.setattr(gradient_shards, "KEPT_GRADIENT_MIN_BYTES", 1 << 40)
+    freed_losses, freed_params, freed_kept = _train(wide(), 2, stage)
+    assert kept and not narrow_kept and not freed_kept
+    assert kept_losses == freed_losses
+    assert all(torch.equal(a, b) for a, b in zip(kept_params, freed_params, strict=True))
 
 
 def mlp() -> nn.Module:
