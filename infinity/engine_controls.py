@@ -84,7 +84,10 @@ class EngineControls:
 
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: releases every gathered stage-3 unit (as after a pass; the persistent one stays) and
-        gives back the memory kept for the next gathers and reductions. Nothing to do at stages 0-2."""
+        gives back the memory kept for the next gathers and reductions, and a gradient kept across steps
+        ([Note: gradient kept across steps]) between windows."""
+        if self.zero_optimizer.gradients_in_memory is not None:
+            self.zero_optimizer.gradients_in_memory.release()
         if self.stage3 is None:
             return
         coordinator = self.stage3.coordinator
@@ -93,8 +96,6 @@ class EngineControls:
         self.stage3.table.pool.clear()
         self.stage3.table.shards.drop_spares()
         self.zero_optimizer.reducer.drop_spares(all_of_them=True)
-        if self.zero_optimizer.gradients_in_memory is not None:
-            self.zero_optimizer.gradients_in_memory.release()  # a gradient kept across steps, between windows
 
     # ---- DeepSpeed's offload_states / reload_states ([Note: parking] in memory/parking.py) ----
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False,

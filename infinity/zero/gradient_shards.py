@@ -1,4 +1,5 @@
-"""This rank's reduced fp32 gradient in memory: created by a window's first reduced piece, freed after the step.
+"""This rank's reduced fp32 gradient in memory: created by a window's first reduced piece, freed after the step
+(or kept for the next window: [Note: gradient kept across steps]).
 
 [Note: gradient shards]
 Torch frees gradients after a step (``zero_grad(set_to_none=True)``) and FSDP2 frees its sharded ones: from the step
@@ -10,8 +11,8 @@ gradient is read (``tensors()``); ``free()`` after the step, taken or skipped, g
 zeroed, so its pages are touched as pieces arrive in backward, while activations are being freed, not all at once
 before it. Measured on GPT-2 124M (fp32, world size 1): the gradient held through forward was 0.46 GiB of a 4.7 GiB
 peak. The one exception: at stage 3 with the optimizer on NVMe the step runs behind the next forward ([Note: step
-behind forward] in unit_optimizer.py), so the gradient is freed when its last unit has stepped, late in that
-forward: before its largest activations (the logits) are made, which take the freed blocks.
+behind forward] in unit_optimizer.py), so the gradient is freed (unless kept) when its last unit has stepped, late
+in that forward: before its largest activations (the logits) are made, which take the freed blocks.
 
 Where it lives: on the compute device, unless the optimizer is offloaded (host memory or NVMe): then the step reads
 it in host memory, and on a GPU it would be the largest thing there, 4 bytes per element of the shard, twice the
@@ -36,8 +37,12 @@ forward): peak RSS 13.5-13.9 GiB, the heap growing by 4.6 GiB in the second step
 forward's heap growth is measured (``FirstForwardProbe``), and where the gradient, in plain host memory under KEEP,
 is at least KEPT_GRADIENT_MIN_BYTES and larger than that growth, it stays allocated for the next window: each
 window still copies its first piece of every region in and zeroes the regions that got none, so nothing of the
-last window is read. GPT-2 small (0.46 GiB gradient, 1.2 GiB of activations) keeps freeing it: kept, its peak
-RSS rose 0.44 GiB with everything on NVMe.
+last window is read. Kept there, the same run peaked at 10.72 GiB. GPT-2 small (0.46 GiB gradient, 1.2 GiB of
+activations) keeps freeing it: kept, its peak RSS rose 0.44 GiB with everything on NVMe. The decision reads the
+heap, not glibc's version: where the hole would be reused, keeping costs nothing the forward needed. A policy
+that leaves KEEP (the host running short) frees it again; empty_partition_cache and offload_states give it back
+between windows. A custom optimizer that keeps ``p.grad`` itself without a copy would see it overwritten by the
+next window (torch's copy what they keep).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class GradientShards:
         self._written: set[tuple[int, int]] = set()  # (group, offset) written in this window
         self._complete = False  # every region written or zeroed since the last new region
         self._copies: HostCopies | None = None  # pieces from another device land through it
-        self.kept = False  # its tensors stay allocated from one window to the next ([Note: gradient kept ...])
+        self.kept_across_steps = False  # its tensors stay allocated for the next window ([Note: gradient kept ...])
 
     @classmethod
     def for_layouts(cls, layouts: Sequence[GroupLayout], device: torch.device, *,
@@ -156,9 +161,9 @@ class GradientShards:
         return self._tensors
 
     def free(self) -> None:
-        """The window is over: its gradient is given back, or kept for the next window (``kept``)."""
+        """The window is over: its gradient is given back, or kept for the next window (``kept_across_steps``)."""
         self._settle()  # no copy may still be writing into the memory given back
-        if not self.kept:
+        if not (self.kept_across_steps and host.keeps_freed_blocks()):  # under RETURN, freed blocks go back
             self._tensors = [None] * len(self.numels)
         self._written.clear()
         self._complete = False
@@ -187,10 +192,11 @@ class FirstForwardProbe:
         """Before a forward: the heap's bytes in use, where this forward is the one to measure."""
         if self.decided or not torch.is_grad_enabled():
             return None
-        if not (self.shards.in_plain_host_memory and host.keeps_freed_blocks()):
+        in_use = host.heap_in_use_bytes()
+        if in_use is None or not (self.shards.in_plain_host_memory and host.keeps_freed_blocks()):
             self.decided = True
             return None
-        return host.heap_in_use_bytes()
+        return in_use
 
     def end(self, before: int) -> None:
         """After that forward: decides once."""
@@ -199,7 +205,7 @@ class FirstForwardProbe:
         if after is None:
             return
         grown = max(after - before, 0)
-        self.shards.kept = keep_across_steps(self.shards.nbytes, grown)
-        if self.shards.kept:
+        self.shards.kept_across_steps = keep_across_steps(self.shards.nbytes, grown)
+        if self.shards.kept_across_steps:
             logger.info("the fp32 gradient (%.2f GiB) stays allocated between steps: the first forward took %.2f "
                         "GiB of heap, too little to reuse its blocks", self.shards.nbytes / 2**30, grown / 2**30)
