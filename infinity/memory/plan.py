@@ -243,7 +243,7 @@ def lead_ring_buffers(unit_numel: int, tile_numel: int, width: float, host_share
     share's sixteenth; offload_optimizer.buffer_count stays the least. The tile size does not change, so neither
     do the tiles or their results. Only tiles of MIN_TILE_NUMEL and more (each buffer is mapped in whole huge
     pages): a smaller sub_group_size keeps the ring buffer_count deep, as asked."""
-    buffer_bytes = -(-max(int(tile_numel * width * 4), 1) // buffers.HUGE_PAGE_BYTES) * buffers.HUGE_PAGE_BYTES
+    buffer_bytes = round_up(max(int(tile_numel * width * 4), 1), buffers.HUGE_PAGE_BYTES)
     room = min(LEAD_RING_BYTES, host_share // STAGING_PART) // buffer_bytes
     return min(-(-unit_numel // tile_numel) + 1, room)
 

@@ -162,19 +162,19 @@ class GradientShards:
 
     def free(self) -> None:
         """The window is over: its gradient is given back, or kept for the next window (``kept_across_steps``)."""
-        self._settle()  # no copy may still be writing into the memory given back
-        if not (self.kept_across_steps and host.keeps_freed_blocks()):  # under RETURN, freed blocks go back
-            self._tensors = [None] * len(self.numels)
         self._written.clear()
         self._complete = False
+        if not (self.kept_across_steps and host.keeps_freed_blocks()):  # under RETURN, freed blocks go back
+            self.release()
+        else:
+            self._settle()
 
     def release(self) -> None:
-        """Gives a kept gradient's memory back between windows (empty_partition_cache, offload_states); within a
-        window, with pieces written, it stays."""
+        """Gives the gradient's memory back between windows (free, and for a kept one empty_partition_cache and
+        offload_states); within a window, with pieces written, it stays."""
         if not self._written:
-            self._settle()
+            self._settle()  # no copy may still be writing into the memory given back
             self._tensors = [None] * len(self.numels)
-            self._complete = False
 
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors if t is not None)
