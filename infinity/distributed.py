@@ -11,6 +11,16 @@ created it and no other engine still uses it. A group the user made is theirs. A
 collected only removes its hooks: the cycle collector runs at a different moment on each rank, where a wait
 for the other ranks could stall both; its groups are closed at exit.
 
+A destroyed group must also be let go of: its gloo worker threads run until the last reference to it is gone,
+and threads still running when the interpreter finalizes abort the process the same way, after a clean
+``destroy_process_group()`` too (measured: a script that trains an engine and destroys the group still had
+gloo's 4 threads at its last atexit handler). Two things held it. Every Comm does: at exit, after the engines'
+teardown, ``release_process_groups`` makes them let go. And torch.distributed.nn.functional, imported lazily
+by the first torch optimizer (through torch._dynamo), evaluates ``group.WORLD`` into its functions' default
+arguments, keeping the default group of that moment forever: an engine that makes the default group imports
+that module first, and at exit, once no group is left, ``_forget_destroyed_groups_in_torch_defaults`` clears
+a destroyed group out of those defaults (where the user made the group before the module was imported).
+
 [Note: collective calls]
 APIs that every rank must call (save_16bit_model, GatheredParameters, destroy) first post their name on the
 rendezvous store and wait, up to the collective timeout, for every rank's post of the same call. A rank that
@@ -24,15 +34,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import itertools
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from infinity.comm import Comm
+from infinity.comm import Comm, release_process_groups
 from infinity.config import DEFAULT_TIMEOUT_S, collective_timeout_s
 from infinity.errors import CollectiveUsageError
 
@@ -53,6 +65,23 @@ _LIVE: set[Distributed] = set()  # not yet closed: closed at interpreter exit ([
 def _close_at_exit() -> None:
     for distributed in sorted(_LIVE, key=lambda d: -d.number):  # the newest first, the same order on every rank
         distributed.close()
+    if release_process_groups() + _forget_destroyed_groups_in_torch_defaults():
+        gc.collect()  # a group in a reference cycle is destroyed now too, while the interpreter is whole
+
+
+def _forget_destroyed_groups_in_torch_defaults() -> int:
+    """[Note: teardown]: once every group is destroyed, the default arguments of torch.distributed.nn.functional
+    that still hold one (evaluated at its import) are set to None, torch's own default. Returns how many."""
+    module = sys.modules.get("torch.distributed.nn.functional")
+    if module is None or not dist.is_available() or dist.is_initialized():
+        return 0
+    forgotten = 0
+    for function in vars(module).values():
+        defaults = getattr(function, "__defaults__", None)
+        if isinstance(defaults, tuple) and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            function.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+            forgotten += 1
+    return forgotten
 
 
 atexit.register(_close_at_exit)
@@ -155,6 +184,8 @@ def join_process_group(timeout_s: float | None = None) -> Comm:
     if world_size <= 1:
         return Comm(group=None, rank=0, world_size=1)
     timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+    import torch.distributed.nn.functional  # noqa: F401 - imported while no group exists ([Note: teardown])
+
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -21,10 +21,20 @@ import infinity.zero
 from infinity.errors import CollectiveUsageError
 from tests.distributed.harness import _entry, run_distributed
 
+THREADS_AT_EXIT = """
+    import atexit, os
+    # registered first, so it runs last: the threads still running as the interpreter finalizes (one write:
+    # the ranks share the pipe)
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    atexit.register(lambda: os.write(1, f"threads at exit {threads()} of {START}\\n".encode()))
+"""
+
 SCRIPT_WITHOUT_TEARDOWN = textwrap.dedent(
-    """
+    THREADS_AT_EXIT
+    + """
     import sys, torch, infinity
     torch.set_num_threads(1)
+    START = threads()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
@@ -50,10 +60,14 @@ def run_script_without_teardown(tmp_path, *args: str) -> subprocess.CompletedPro
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
 
 
-def assert_clean_exit(done: subprocess.CompletedProcess) -> None:
+def assert_clean_exit(done: subprocess.CompletedProcess, ranks: int = 2) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("trained") == 2, done.stdout
+    assert done.stdout.count("trained") == ranks, done.stdout
     assert "terminate called" not in done.stderr, done.stderr[-3000:]
+    # No thread the engine or its process groups started outlives the interpreter: gloo's, still running as it
+    # finalizes, can abort the process ([Note: teardown]).
+    at_exit = [line.split() for line in done.stdout.splitlines() if line.startswith("threads at exit")]
+    assert len(at_exit) == ranks and all(words[3] == words[5] for words in at_exit), done.stdout
 
 
 def test_a_script_that_ends_without_teardown_exits_cleanly(tmp_path):
@@ -68,6 +82,36 @@ def test_a_script_that_ends_with_a_step_behind_the_forward_exits_cleanly(tmp_pat
     swap.mkdir()
     assert_clean_exit(run_script_without_teardown(tmp_path, str(swap)))
     assert not [p for p in swap.rglob("*") if p.is_file()], "swap files left behind"
+
+
+SCRIPT_DESTROYING_ITS_OWN_GROUP = textwrap.dedent(
+    THREADS_AT_EXIT
+    + """
+    import infinity  # before the group, as scripts do: it loads nothing of torch.distributed yet
+    import torch, torch.distributed as dist
+    torch.set_num_threads(1)
+    START = threads()
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    engine, *_ = infinity.initialize(model=model, config=config)
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    print("trained", flush=True)
+    dist.destroy_process_group()  # the user's group, destroyed by the user; the engine is never destroyed
+    """
+)
+
+
+def test_a_group_the_user_made_and_destroyed_is_let_go_of_before_exit(tmp_path):
+    """The engine's Comms, and torch.distributed.nn.functional's default arguments (evaluated when the optimizer
+    first imports it, after the group exists), no longer keep the destroyed group's gloo threads alive."""
+    script = tmp_path / "own_group.py"
+    script.write_text(SCRIPT_DESTROYING_ITS_OWN_GROUP)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          check=False)  # fmt: skip
+    assert_clean_exit(done, ranks=1)
 
 
 @pytest.mark.stress
