@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -22,7 +23,7 @@ from infinity.train.disk import DiskBusy
 from infinity.train.plan import Plan
 from infinity.train.progress import Progress, ProgressLogHandler, StepFigures
 from infinity.train.resume import checkpoint_and_tag
-from infinity.train.summary import Summary, io_totals
+from infinity.train.summary import StepUsage, Summary, io_totals, kernel_figures
 from infinity.zero.collectives import all_reduce_mean
 
 logger = logging.getLogger("infinity")
@@ -100,8 +101,10 @@ class Run:
         loop_started = time.perf_counter()
         losses: list[float] = []
         step_times: list[float] = []
+        usages: list[StepUsage] = []
         for step in range(first_step, args.steps):
             step_started = time.perf_counter()
+            usage_before = resource.getrusage(resource.RUSAGE_SELF)
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
             for m in range(accumulation):
                 tokens = source.batch(rank=engine.global_rank, micro_step=step * accumulation + m,
@@ -122,6 +125,10 @@ class Run:
             io_now = io_totals(engine.tier_stats())
             moved = (io_now.read_bytes + io_now.write_bytes) - (io_before.read_bytes + io_before.write_bytes)
             io_before = io_now
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            usages.append(StepUsage(step_s=step_s, system_s=usage.ru_stime - usage_before.ru_stime,
+                                    user_s=usage.ru_utime - usage_before.ru_utime, moved_bytes=moved,
+                                    minor_faults=usage.ru_minflt - usage_before.ru_minflt))  # fmt: skip
             self.progress.update(StepFigures(step=step + 1, loss=losses[-1], step_s=step_s,
                                              tokens_per_s=tokens_per_step / step_s, io_gbps=moved / step_s / 1e9))
             if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
@@ -137,6 +144,7 @@ class Run:
             total_s=time.perf_counter() - started, io=io, disk_busy_s=disk_busy_s,
             peak_rss=process_status_bytes("VmHWM"), checkpoint=self.saved_to,
             median_step_s=statistics.median(step_times) if step_times else 0.0, tokens_per_step=tokens_per_step,
+            kernel=kernel_figures(usages),
         )  # fmt: skip
         engine.destroy()
         return summary
