@@ -15,11 +15,12 @@ A destroyed group must also be let go of: its gloo worker threads run until the 
 and threads still running when the interpreter finalizes abort the process the same way, after a clean
 ``destroy_process_group()`` too (measured: a script that trains an engine and destroys the group still had
 gloo's 4 threads at its last atexit handler). Two things held it. Every Comm does: at exit, after the engines'
-teardown, ``release_process_groups`` makes them let go. And torch.distributed.nn.functional, imported lazily
-by the first torch optimizer (through torch._dynamo), evaluates ``group.WORLD`` into its functions' default
-arguments, keeping the default group of that moment forever: an engine that makes the default group imports
-that module first, and at exit, once no group is left, ``_forget_destroyed_groups_in_torch_defaults`` clears
-a destroyed group out of those defaults (where the user made the group before the module was imported).
+teardown, ``release_destroyed_process_groups`` makes those whose group is destroyed let go. And
+torch.distributed.nn.functional, imported lazily by the first torch optimizer (through torch._dynamo),
+evaluates ``group.WORLD`` into its functions' default arguments, keeping the default group of that moment
+forever: an engine that makes the default group imports that module first, and at exit, once no group is left,
+``_forget_destroyed_groups_in_torch_defaults`` clears a destroyed group out of those defaults (where the user
+made the group before the module was imported).
 
 [Note: collective calls]
 APIs that every rank must call (save_16bit_model, GatheredParameters, destroy) first post their name on the
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from infinity.comm import Comm, release_process_groups
+from infinity.comm import Comm, release_destroyed_process_groups
 from infinity.config import DEFAULT_TIMEOUT_S, collective_timeout_s
 from infinity.errors import CollectiveUsageError
 
@@ -65,7 +66,7 @@ _LIVE: set[Distributed] = set()  # not yet closed: closed at interpreter exit ([
 def _close_at_exit() -> None:
     for distributed in sorted(_LIVE, key=lambda d: -d.number):  # the newest first, the same order on every rank
         distributed.close()
-    if release_process_groups() + _forget_destroyed_groups_in_torch_defaults():
+    if release_destroyed_process_groups() + _forget_destroyed_groups_in_torch_defaults():
         gc.collect()  # a group in a reference cycle is destroyed now too, while the interpreter is whole
 
 

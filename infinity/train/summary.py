@@ -190,7 +190,6 @@ class Summary:
         lines.append(f"  checkpoint    {self.checkpoint or 'none (pass --save DIR to keep one)'}")
         return "\n".join(lines)
 
-
     def _kernel_line(self) -> str:
         k = self.kernel
         steps = "the step" if len(self.losses) < 2 else "the steps after the first"

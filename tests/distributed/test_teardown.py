@@ -56,7 +56,7 @@ def run_script_without_teardown(tmp_path, *args: str) -> subprocess.CompletedPro
     script.write_text(SCRIPT_WITHOUT_TEARDOWN)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # no CUDA threads at exit
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)
 
 
@@ -108,7 +108,7 @@ def test_a_group_the_user_made_and_destroyed_is_let_go_of_before_exit(tmp_path):
     first imports it, after the group exists), no longer keep the destroyed group's gloo threads alive."""
     script = tmp_path / "own_group.py"
     script.write_text(SCRIPT_DESTROYING_ITS_OWN_GROUP)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # no CUDA threads at exit
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
                           check=False)  # fmt: skip
     assert_clean_exit(done, ranks=1)

@@ -77,7 +77,7 @@ def reference() -> dict:
 def test_engine_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # no CUDA threads at exit
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
                "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", str(script), str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, check=False)

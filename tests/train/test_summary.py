@@ -33,4 +33,4 @@ def test_kernel_figures_are_medians_over_the_steps_after_the_first():
     assert kernel_figures(steps[:1]).system_s == 20.0 and kernel_figures([]) is None  # one step: that step
     in_memory = kernel_figures([StepUsage(step_s=1.0, system_s=0.0, user_s=1.0, minor_faults=7, moved_bytes=0)])
     text = str(_summary(losses=[1.0], swap_folders=[], kernel=in_memory))
-    assert "7 minor faults a step;" in text and "pages it moved" not in text and "over the step," in text, text
+    assert "7 minor faults a step;" in text and "4 KiB pages" not in text and "over the step," in text, text
