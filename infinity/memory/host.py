@@ -26,9 +26,13 @@ The engine therefore chooses one of two heap policies for its steps (``policy_fo
   holds only if freed blocks go back (the host-budget test, parameters and optimizer on NVMe at world size 2 on
   a 512 MiB node: 183 MiB above the runtime at a 32 MiB threshold against 144 allowed, 130-139 at 1 MiB).
 
-KEEP's heap stays near its settled size: glibc (before 2.38) sometimes extends the heap for an aligned block while
-a hole its size lies free, so ``HeapWatch`` gives the free pages back when the resident size passes the settled
-one by an eighth (256 MiB at least), and the next step faults its working set in once.
+KEEP's heap stays near its settled size: glibc (before 2.38) extends the heap for an aligned block while a hole
+its size lies free, and torch asks for every block aligned. Under KEEP torch's blocks of 1 MiB and more are
+therefore asked of plain malloc where glibc is that old ([Note: aligned blocks and glibc] in
+torch_cpu_allocator.py: GPT-2 small at stage 3, peak RSS 4.09 against 5.63 GiB at the same step time); where
+that allocator cannot be built, and for the blocks below 1 MiB, ``HeapWatch`` gives the free pages back when the
+resident size passes the settled one by an eighth (256 MiB at least), and the next step faults its working set
+in once.
 
 KEEP's cache has a budget: the host's memory. After each optimizer step the engine checks the memory available on
 the host (``give_back_if_short``); where it has fallen below an eighth of what the plan found at initialize (other
@@ -88,6 +92,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.aio import buffers
+from infinity.memory import torch_cpu_allocator
 
 logger = logging.getLogger("infinity")
 
@@ -204,8 +209,10 @@ def policy_for(*, on_nvme: bool, host_share: int) -> HeapPolicy:
 class HeapWatch:
     """KEEP's heap across steps: its resident size once the steps have settled, and how far it may grow past it.
     glibc before 2.38 cannot serve an aligned request (torch asks for 64 bytes) from a free hole of exactly the
-    request's size, so now and then a step's block extends the heap while a hole its size lies free (measured: a
-    stage-3 MLP with 64 MiB activations grew 64 MiB at a time, at steps 11-31 in one run, 97-269 in another).
+    request's size, so where torch's allocator is c10's (torch_cpu_allocator.py not built, blocks under 1 MiB)
+    now and then a step's block extends the heap while a hole its size lies free (measured before that
+    allocator: a stage-3 MLP with 64 MiB activations grew 64 MiB at a time, at steps 11-31 in one run, 97-269 in
+    another).
     When the resident size passes the settled one by the slack, the heap's free pages go back (malloc_trim) and the
     size is taken again two steps later: the next step faults its working set in once."""
 
@@ -271,6 +278,8 @@ def fix_heap_policy(policy: HeapPolicy) -> bool:
         return False
     _fixed = policy
     logger.debug("glibc heap policy %s: %s", policy.name, policy)
+    if policy is KEEP:
+        torch_cpu_allocator.install()  # [Note: aligned blocks and glibc]
     return True
 
 
