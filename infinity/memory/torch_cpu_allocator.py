@@ -13,7 +13,7 @@ against 4.11 GiB, stage 3 with cpu offload 5.27 against 4.08 GiB.
 So where glibc is older than 2.38 and the engine sets KEEP, ``install`` makes torch's CPU allocator one that
 asks malloc for the size plus 80 bytes, aligns the pointer it hands out and keeps a mark and malloc's pointer
 just below it (torch_cpu_allocator.cpp). It is compiled against the installed torch's headers with the system's
-C++ compiler on first use (about a second) into a per-user cache keyed by the source, torch's version and the
+C++ compiler on first use (a few seconds) into a per-user cache keyed by the source, torch's version and the
 compiler, and stays torch's CPU allocator for the rest of the process: blocks made before keep c10's deleter,
 blocks below 1 MiB stay c10's, and a raw block of c10's freed through it (oneDNN takes its scratch blocks raw)
 goes back to c10's deleter. Where there is no compiler, or the build fails, the engine says so once and runs

@@ -25,8 +25,15 @@ THREADS_AT_EXIT = """
     import atexit, os
     # registered first, so it runs last: the threads still running as the interpreter finalizes (one write:
     # the ranks share the pipe)
+    import time
     threads = lambda: len(os.listdir("/proc/self/task"))
-    atexit.register(lambda: os.write(1, f"threads at exit {threads()} of {START}\\n".encode()))
+    def settled():  # a joined thread can stay listed a moment: up to 1 s for the count to fall
+        for _ in range(100):
+            if threads() <= START:
+                break
+            time.sleep(0.01)
+        return threads()
+    atexit.register(lambda: os.write(1, f"threads at exit {settled()} of {START}\\n".encode()))
 """
 
 SCRIPT_WITHOUT_TEARDOWN = textwrap.dedent(
@@ -67,7 +74,7 @@ def assert_clean_exit(done: subprocess.CompletedProcess, ranks: int = 2) -> None
     # No thread the engine or its process groups started outlives the interpreter: gloo's, still running as it
     # finalizes, can abort the process ([Note: teardown]).
     at_exit = [line.split() for line in done.stdout.splitlines() if line.startswith("threads at exit")]
-    assert len(at_exit) == ranks and all(words[3] == words[5] for words in at_exit), done.stdout
+    assert len(at_exit) == ranks and all(int(words[3]) <= int(words[5]) for words in at_exit), done.stdout
 
 
 def test_a_script_that_ends_without_teardown_exits_cleanly(tmp_path):

@@ -15,8 +15,15 @@ SCRIPT = textwrap.dedent(
     import atexit, os, sys
     # registered first, so it runs last: the threads still running as the interpreter finalizes (one write:
     # the ranks share the pipe)
+    import time
     threads = lambda: len(os.listdir("/proc/self/task"))
-    atexit.register(lambda: os.write(1, f"threads at exit {{threads()}} of {{START}}\\n".encode()))
+    def settled():  # a joined thread can stay listed a moment: up to 1 s for the count to fall
+        for _ in range(100):
+            if threads() <= START:
+                break
+            time.sleep(0.01)
+        return threads()
+    atexit.register(lambda: os.write(1, f"threads at exit {{settled()}} of {{START}}\\n".encode()))
     import torch
     import infinity
     torch.set_num_threads(1)
@@ -85,7 +92,7 @@ def test_engine_under_torchrun(tmp_path):
     # The group the script destroyed is let go of too: gloo's threads, still running as the interpreter finalizes,
     # could abort a rank ("terminate called without an active exception"; [Note: teardown]).
     at_exit = [line.split() for line in done.stdout.splitlines() if line.startswith("threads at exit")]
-    assert len(at_exit) == 2 and all(words[3] == words[5] for words in at_exit), done.stdout
+    assert len(at_exit) == 2 and all(int(words[3]) <= int(words[5]) for words in at_exit), done.stdout
     ref = reference()
     initial = list(build().parameters())
     for rank in (0, 1):

@@ -49,26 +49,26 @@ print(json.dumps({"installed": torch_cpu_allocator.installed(), "grew": grew,
 """
 
 
-def _run(script: str, **env: str) -> dict:
+def _run(script: str, cache: str, **env: str) -> dict:
     dropped = (*host.GLIBC_SETTINGS, torch_cpu_allocator.SETTING, "THP_MEM_ALLOC_ENABLE")
     clean = {k: v for k, v in os.environ.items() if k not in dropped}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env={**clean, **env},
-                          timeout=300, check=False)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
+                          env={**clean, "XDG_CACHE_HOME": cache, **env})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @needs_old_glibc
-def test_a_freed_block_is_reused_by_the_next_of_its_size():
-    ours = _run(HOLES)
+def test_a_freed_block_is_reused_by_the_next_of_its_size(tmp_path):
+    ours = _run(HOLES, str(tmp_path))  # built here, not in the user's cache
     assert ours["installed"] and ours["ours"] and ours["aligned"] and not ours["small_ours"], ours
     assert not ours["before_was_ours"] and ours["raw"], ours  # c10's blocks, whole or raw, go back to c10
     assert ours["reused"] == ours["holes"] and ours["grew"] < (1 << 20), ours  # every new block in a hole
     assert ours["gemm_error"] < 1.0, ours  # bf16 inputs, fp32 sums: the same product
-    c10 = _run(HOLES, **{torch_cpu_allocator.SETTING: "c10"})
-    assert not c10["installed"] and not c10["ours"], c10
-    # glibc's own aligned allocation, the bug this works around: the holes stay, the heap grows by the blocks
-    assert c10["reused"] < c10["holes"] and c10["grew"] >= (c10["holes"] - c10["reused"]) * (8 << 20), c10
+    # INFINITY_TORCH_CPU_ALLOCATOR=c10 keeps torch's own. (Whether glibc's aligned allocation then leaves a hole
+    # depends on the remainders it split off the block before: an engine's heap is measured in the README.)
+    c10 = _run(HOLES, str(tmp_path), **{torch_cpu_allocator.SETTING: "c10"})
+    assert not c10["installed"] and not c10["ours"] and not c10["raw"], c10
 
 
 def test_where_it_is_not_needed_or_not_wanted_it_says_why(monkeypatch):
