@@ -171,6 +171,13 @@ def keeps_freed_blocks() -> bool:
     return _fixed is KEEP
 
 
+def freed_blocks_reused() -> bool:
+    """Whether a block freed now is taken by the next of its size without a fault: KEEP, where the heap puts
+    torch's blocks back into their holes ([Note: aligned blocks and glibc] in torch_cpu_allocator.py). Then a
+    buffer kept between uses only adds to the peak: the forward's activations could have had its blocks."""
+    return _fixed is KEEP and torch_cpu_allocator.holes_reused()
+
+
 class SetupTrim:
     """[Note: setup memory], one per setup: called after each unit's one-off buffers are freed; under KEEP,
     gives the heap's free pages back each time SETUP_FREE_BYTES more lie free than after the last trim, or than

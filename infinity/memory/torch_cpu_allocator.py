@@ -204,6 +204,13 @@ def install() -> bool:
     return _state.installed
 
 
+def holes_reused() -> bool:
+    """Whether a freed torch block's hole is taken by the next block of its size: glibc 2.38 or later does it
+    itself; older glibc where this allocator is installed."""
+    version = glibc_version()
+    return (version is not None and version >= FIXED_GLIBC) or installed()
+
+
 def installed() -> bool:
     """Whether torch's CPU allocator is this one now."""
     return _state.library is not None and bool(_state.library.infinity_cpu_allocator_is_current())

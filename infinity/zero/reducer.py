@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.errors import InfinityError
+from infinity.memory import host
 from infinity.zero import collectives
 from infinity.zero.collectives import Comm, Pending
 from infinity.zero.gradient_shards import GradientShards
@@ -401,8 +402,11 @@ class GradientReducer:
     def drop_spares(self, *, all_of_them: bool = False) -> None:
         """After the step: stage 2's spare buffers go back (kept across the micro-steps of a window only; between
         windows the forward's activations need the room). Stage 3 keeps its own within their budget, which the
-        estimate counts beside the activations, unless ``all_of_them`` (the engine closes)."""
-        if self.spare_budget_bytes is not None and not all_of_them:
+        estimate counts beside the activations, unless ``all_of_them`` (the engine closes) or the heap takes a
+        freed block back without a fault (``host.freed_blocks_reused``): then the forward's activations take
+        their blocks and the next backward takes them back (GPT-2 small, bf16, stage 3, world size 2: peak RSS
+        3.30 against 3.93 GiB a rank, steps 3.42-3.97 against 3.35-3.92 s in two rounds alternating)."""
+        if self.spare_budget_bytes is not None and not all_of_them and not host.freed_blocks_reused():
             return
         self._spare.clear()
         self._spare_count = 0
