@@ -208,7 +208,9 @@ def holes_reused() -> bool:
     """Whether a freed torch block's hole is taken by the next block of its size: glibc 2.38 or later does it
     itself; older glibc where this allocator is installed."""
     version = glibc_version()
-    return (version is not None and version >= FIXED_GLIBC) or installed()
+    glibc_reuses = version is not None and version >= FIXED_GLIBC
+    preloaded = any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS)
+    return (glibc_reuses and not preloaded) or installed()
 
 
 def installed() -> bool:

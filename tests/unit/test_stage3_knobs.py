@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import infinity
+from infinity.memory import host
 
 UNIT = 32 * 32 + 32
 BIG = 10**9
@@ -143,13 +144,16 @@ def test_regathered_units_reuse_their_host_buffers(zero):
     assert stats["gather_buffers_made"] == 0, stats
 
 
-def test_gradient_buckets_and_outsized_nvme_pieces_reuse_their_buffers(tmp_path):
-    """Stage 3's gradient buckets (and their pieces) and the host buffers of NVMe pieces too large for the
-    staging ring (buffer_size 512 elements: every unit) are kept for the next step: from the third step on
-    none is allocated."""
+@pytest.mark.parametrize("holes_reused", [False, True])
+def test_gradient_buckets_and_outsized_nvme_pieces_reuse_their_buffers(tmp_path, monkeypatch, holes_reused):
+    """The host buffers of NVMe pieces too large for the staging ring (buffer_size 512 elements: every unit) are
+    kept for the next step: from the third step on none is allocated. So are stage 3's gradient buckets (and
+    their pieces) where a freed block would not go back into its hole; where it would (``holes_reused``:
+    reducer.drop_spares), they go back after each step and the next backward makes them again."""
+    monkeypatch.setattr(host, "freed_blocks_reused", lambda: holes_reused)
     offload = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_size": 512}
     stats = second_step_stats(steps=3, offload_param=offload)
-    assert stats["grad_buffers_made"] == 0 and stats["outsized_buffers_made"] == 0, stats
+    assert (stats["grad_buffers_made"] > 0) == holes_reused and stats["outsized_buffers_made"] == 0, stats
     first = second_step_stats(steps=1, offload_param=offload)
     assert first["grad_buffers_made"] > 0 and first["outsized_buffers_made"] > 0, first
 
