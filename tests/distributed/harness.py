@@ -71,3 +71,25 @@ def run_distributed(fn, world_size: int, workdir, *, timeout_s: float = 300.0, *
             raise AssertionError(f"rank {rank} failed:\n{value}")
         results.append(value)
     return results
+
+
+# [Note: teardown] in infinity/distributed.py: a script's first lines, so that its atexit hook runs last and prints
+# how many threads still run as the interpreter finalizes (one write: the ranks share the pipe); the script sets
+# START once torch is imported. A joined thread can stay listed a moment: up to 1 s for the count to fall.
+THREADS_AT_EXIT = """
+import atexit, os, time
+threads = lambda: len(os.listdir("/proc/self/task"))
+def settled():
+    for _ in range(100):
+        if threads() <= START:
+            break
+        time.sleep(0.01)
+    return threads()
+atexit.register(lambda: os.write(1, f"threads at exit {settled()} of {START}\\n".encode()))
+"""
+
+
+def assert_no_thread_outlives(stdout: str, ranks: int) -> None:
+    """Every rank ended with no more threads than it had before the engine (THREADS_AT_EXIT)."""
+    at_exit = [line.split() for line in stdout.splitlines() if line.startswith("threads at exit")]
+    assert len(at_exit) == ranks and all(int(words[3]) <= int(words[5]) for words in at_exit), stdout

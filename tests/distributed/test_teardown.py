@@ -19,26 +19,10 @@ from torch import nn
 import infinity
 import infinity.zero
 from infinity.errors import CollectiveUsageError
-from tests.distributed.harness import _entry, run_distributed
+from tests.distributed.harness import THREADS_AT_EXIT, _entry, assert_no_thread_outlives, run_distributed
 
-THREADS_AT_EXIT = """
-    import atexit, os
-    # registered first, so it runs last: the threads still running as the interpreter finalizes (one write:
-    # the ranks share the pipe)
-    import time
-    threads = lambda: len(os.listdir("/proc/self/task"))
-    def settled():  # a joined thread can stay listed a moment: up to 1 s for the count to fall
-        for _ in range(100):
-            if threads() <= START:
-                break
-            time.sleep(0.01)
-        return threads()
-    atexit.register(lambda: os.write(1, f"threads at exit {settled()} of {START}\\n".encode()))
-"""
-
-SCRIPT_WITHOUT_TEARDOWN = textwrap.dedent(
-    THREADS_AT_EXIT
-    + """
+SCRIPT_WITHOUT_TEARDOWN = THREADS_AT_EXIT + textwrap.dedent(
+    """
     import sys, torch, infinity
     torch.set_num_threads(1)
     START = threads()
@@ -73,8 +57,7 @@ def assert_clean_exit(done: subprocess.CompletedProcess, ranks: int = 2) -> None
     assert "terminate called" not in done.stderr, done.stderr[-3000:]
     # No thread the engine or its process groups started outlives the interpreter: gloo's, still running as it
     # finalizes, can abort the process ([Note: teardown]).
-    at_exit = [line.split() for line in done.stdout.splitlines() if line.startswith("threads at exit")]
-    assert len(at_exit) == ranks and all(int(words[3]) <= int(words[5]) for words in at_exit), done.stdout
+    assert_no_thread_outlives(done.stdout, ranks)
 
 
 def test_a_script_that_ends_without_teardown_exits_cleanly(tmp_path):
@@ -91,9 +74,8 @@ def test_a_script_that_ends_with_a_step_behind_the_forward_exits_cleanly(tmp_pat
     assert not [p for p in swap.rglob("*") if p.is_file()], "swap files left behind"
 
 
-SCRIPT_DESTROYING_ITS_OWN_GROUP = textwrap.dedent(
-    THREADS_AT_EXIT
-    + """
+SCRIPT_DESTROYING_ITS_OWN_GROUP = THREADS_AT_EXIT + textwrap.dedent(
+    """
     import infinity  # before the group, as scripts do: it loads nothing of torch.distributed yet
     import torch, torch.distributed as dist
     torch.set_num_threads(1)

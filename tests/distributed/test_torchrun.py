@@ -8,22 +8,13 @@ import textwrap
 
 import torch
 
+from tests.distributed.harness import THREADS_AT_EXIT, assert_no_thread_outlives
+
 LR, WEIGHT_DECAY, STEPS = 0.01, 0.01, 3
 
-SCRIPT = textwrap.dedent(
+SCRIPT = THREADS_AT_EXIT + textwrap.dedent(
     f"""
-    import atexit, os, sys
-    # registered first, so it runs last: the threads still running as the interpreter finalizes (one write:
-    # the ranks share the pipe)
-    import time
-    threads = lambda: len(os.listdir("/proc/self/task"))
-    def settled():  # a joined thread can stay listed a moment: up to 1 s for the count to fall
-        for _ in range(100):
-            if threads() <= START:
-                break
-            time.sleep(0.01)
-        return threads()
-    atexit.register(lambda: os.write(1, f"threads at exit {{settled()}} of {{START}}\\n".encode()))
+    import os, sys
     import torch
     import infinity
     torch.set_num_threads(1)
@@ -91,8 +82,7 @@ def test_engine_under_torchrun(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     # The group the script destroyed is let go of too: gloo's threads, still running as the interpreter finalizes,
     # could abort a rank ("terminate called without an active exception"; [Note: teardown]).
-    at_exit = [line.split() for line in done.stdout.splitlines() if line.startswith("threads at exit")]
-    assert len(at_exit) == 2 and all(int(words[3]) <= int(words[5]) for words in at_exit), done.stdout
+    assert_no_thread_outlives(done.stdout, ranks=2)
     ref = reference()
     initial = list(build().parameters())
     for rank in (0, 1):
