@@ -60,6 +60,10 @@ def glibc_version() -> tuple[int, int] | None:
         return None
 
 
+def _preloaded_allocator() -> bool:
+    return any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS)
+
+
 def needed() -> str | None:
     """Why the allocator is not needed (or not wanted) in this process; None where it is. (A malloc that is not
     glibc's, preloaded or linked in, is found when the built allocator is loaded.)"""
@@ -67,8 +71,7 @@ def needed() -> str | None:
         return f"{SETTING}=c10"
     if os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0"):
         return "THP_MEM_ALLOC_ENABLE asks c10's allocator for huge-page blocks"  # [Note: huge pages] in host.py
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if any(name in preloaded for name in OTHER_ALLOCATORS):
+    if _preloaded_allocator():
         return "another allocator is preloaded"
     version = glibc_version()
     if version is None:
@@ -209,8 +212,7 @@ def holes_reused() -> bool:
     itself; older glibc where this allocator is installed."""
     version = glibc_version()
     glibc_reuses = version is not None and version >= FIXED_GLIBC
-    preloaded = any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS)
-    return (glibc_reuses and not preloaded) or installed()
+    return (glibc_reuses and not _preloaded_allocator()) or installed()
 
 
 def installed() -> bool:

@@ -54,19 +54,19 @@ def io_totals(tier_stats: dict) -> IoTotals:
 PAGE_BYTES = 4096
 
 
-@dataclasses.dataclass(kw_only=True)
-class KernelFigures:
-    """What the kernel did for rank 0's steps (getrusage: every thread of the process, the I/O threads' too):
-    medians over the steps after the first, which also faults in what the run keeps. Reused memory shows as few
-    minor faults against the pages moved; a step that maps fresh memory for its transfers takes about one per 4 KiB
-    page moved (the I/O target of the issue this answers: minor faults at most 5% of the pages, system time at most
-    20% of the step)."""
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StepUsage:
+    """What the kernel did for a step of rank 0 (getrusage: every thread of the process, the I/O threads' too),
+    beside the step's NVMe traffic; ``kernel_figures`` gives their medians over the steps after the first, which
+    also faults in what the run keeps. Reused memory shows as few minor faults against the pages moved; a step
+    that maps fresh memory for its transfers takes about one per 4 KiB page moved (the I/O target of the issue
+    this answers: minor faults at most 5% of the pages, system time at most 20% of the step)."""
 
-    system_s: float  # system CPU seconds a step
-    user_s: float  # user CPU seconds a step
-    minor_faults: float  # a step
-    moved_bytes: float  # this rank's NVMe reads + writes a step
-    step_s: float  # the same steps' median
+    step_s: float
+    system_s: float  # system CPU seconds
+    user_s: float  # user CPU seconds
+    minor_faults: float
+    moved_bytes: float  # this rank's NVMe reads + writes
 
     @property
     def system_part(self) -> float:
@@ -77,27 +77,14 @@ class KernelFigures:
         return self.minor_faults / (self.moved_bytes / PAGE_BYTES) if self.moved_bytes else None
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class StepUsage:
-    """One step's share of the process's resource usage and NVMe traffic."""
-
-    step_s: float
-    system_s: float
-    user_s: float
-    minor_faults: int
-    moved_bytes: int
-
-
-def kernel_figures(steps: list[StepUsage]) -> KernelFigures | None:
-    """Medians over the steps after the first (all of them where only one ran); None where none ran."""
+def kernel_figures(steps: list[StepUsage]) -> StepUsage | None:
+    """Each figure's median over the steps after the first (all of them where only one ran); None where none
+    ran."""
     if not steps:
         return None
     steady = steps[1:] or steps
-    median = statistics.median
-    return KernelFigures(system_s=median(s.system_s for s in steady), user_s=median(s.user_s for s in steady),
-                         minor_faults=median(s.minor_faults for s in steady),
-                         moved_bytes=median(s.moved_bytes for s in steady),
-                         step_s=median(s.step_s for s in steady))  # fmt: skip
+    return StepUsage(**{f.name: statistics.median(getattr(s, f.name) for s in steady)
+                        for f in dataclasses.fields(StepUsage)})  # fmt: skip
 
 
 def _across_ranks(engine, values: list[float], reduce) -> list[float]:
@@ -123,7 +110,7 @@ class Summary:
     disk_busy_s: float | None
     swap_folders: list[str]
     checkpoint: str | None
-    kernel: KernelFigures | None = None  # rank 0's
+    kernel: StepUsage | None = None  # rank 0's medians (kernel_figures)
 
     @classmethod
     def gather(cls, *, engine, plan, losses, first_step, step_times, loop_s, total_s, io: IoTotals, disk_busy_s,
