@@ -16,8 +16,9 @@ What the step needs of the whole gradient is computed as the pieces arrive at th
 unit piece's sum of squares (of the accumulated gradient, unscaled by the loss scale: for the global norm and
 clipping), which is also fp16's overflow check: the sum is not finite exactly when an element is. The unscale
 and clipping factors are applied per tile when it steps. The in-memory stage 3 path computes the same per-piece
-squares and sums them in unit order, so clipping gives bitwise the same result with gradients in memory or on
-NVMe on the same device, whatever the tile size (a per-tile norm would round differently for every sub_group_size).
+squares and sums them in unit order, so clipping gives bitwise the same result with gradients in host memory or
+on NVMe, whatever the tile size (a per-tile norm would round differently for every sub_group_size). With CUDA the
+swapped piece is squared on the device (fp64) and the host's shard on the host (piece_squares): within ~1e-8.
 
 [Note: bf16 gradients]
 With ``infinity.offloaded_gradient_dtype`` "bf16" the segments hold the gradient in bf16: 2 bytes per element on
@@ -43,7 +44,7 @@ from infinity.zero.tiles import Tile
 GRADIENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # infinity.offloaded_gradient_dtype
 HOST_NORM_CHUNK = 1 << 15  # elements: the chunk's fp64 copy (256 KiB) comes from the C library's heap, reused
 HOST_NORM_ROW = 64  # elements: one fp32 sum of squares each, the rows' sums added in fp64
-HOST_NORM_BLOCK = HOST_NORM_ROW << 14  # elements a call: its rows' 64 KiB of sums come from the heap, reused
+HOST_NORM_BLOCK = HOST_NORM_ROW << 14  # elements a call: its rows' sums (64 KiB, 128 KiB in fp64) from the heap
 DEVICE_NORM_CHUNK = 1 << 20  # elements: the caching allocator reuses the 8 MiB copy; one sync per piece
 
 
@@ -51,15 +52,16 @@ def piece_squares(grad: torch.Tensor) -> float:
     """A unit piece's share of the squared global norm, as both homes compute it. One fp32 reduction of a large
     piece is not enough: measured on 50M normal values, torch's fp32 vector_norm is 0.4% off (the lanes' partial
     sums outgrow fp32's precision), and an fp64 sum (chunks of HOST_NORM_CHUNK converted to fp64) takes 36-44 ms
-    per 50M values: 0.9 s a step on a 1.24B-parameter model. So on the host an fp32 piece of HOST_NORM_BLOCK
-    elements or more is cut into rows of HOST_NORM_ROW elements, each row's norm taken in fp32 (a vectorized call
-    per block) and the rows' squares added in fp64: 7 ms per 50M values, within 2.5e-9 of the fp64 sum on 50M
-    values spread over six decades (fp32's own rounding is 6e-8; one row alone can be 1.7e-7 off, and longer rows
-    more, 1024: 1.8e-7 on 4096-element pieces, enough to move the clipping factor by an fp32 ulp and bf16
-    training off its reference; the rows' errors average out over a block's 16K rows). Smaller pieces are summed
-    in fp64. Where the sum is not finite (an element is not, or an fp32 square overflowed), the piece is summed
-    again in fp64, so the result is not finite exactly when an element is not (fp16's overflow check): an fp32
-    value's square never overflows fp64."""
+    per 50M values: 0.66 s of a steady step on a 1.24B-parameter model (py-spy). So on the host an fp32 piece of
+    HOST_NORM_BLOCK elements or more is cut into rows of HOST_NORM_ROW elements, each row's norm taken in fp32 (a
+    vectorized call per block) and the rows' squares added in fp64: 7 ms per 50M values, within 2.5e-9 of the fp64
+    sum on 50M values spread over six decades (values under ~1e-19, whose fp32 squares are denormal or zero, are
+    lost: far below what they add to a norm). fp32's own rounding is 6e-8; one row alone can be 1.7e-7 off, and
+    longer rows more (1024: 1.8e-7 on 4096-element pieces, enough to move the clipping factor by an fp32 ulp and
+    bf16 training off its reference); the rows' errors average out over a block's 16K rows. Smaller pieces, and
+    other dtypes, are summed in fp64 chunks. Where the rows' sum is not finite (an element is not, or an fp32
+    square overflowed), the piece is summed again in fp64, so the result is not finite exactly when an element is
+    not (fp16's overflow check): an fp32 value's square never overflows fp64."""
     flat = grad.reshape(-1)
     if flat.device.type == "cpu":
         if flat.dtype == torch.float32 and flat.numel() >= HOST_NORM_BLOCK:
@@ -76,7 +78,8 @@ def _row_squares(flat: torch.Tensor) -> float:
     total = 0.0
     for block in flat[:whole].split(HOST_NORM_BLOCK):
         norms = torch.linalg.vector_norm(block.view(-1, HOST_NORM_ROW), dim=1)
-        total += float(norms.double().square().sum())
+        wide = norms.double()
+        total += float(wide.dot(wide))
     if whole < flat.numel():
         total += float(torch.linalg.vector_norm(flat[whole:], dtype=torch.float64)) ** 2
     return total

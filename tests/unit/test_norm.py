@@ -10,9 +10,11 @@ import torch
 
 from infinity.zero.grads import HOST_NORM_BLOCK, HOST_NORM_CHUNK, piece_squares
 
+SIZES = [(17, 1e-12), (3 * HOST_NORM_CHUNK + 17, 1e-12), (HOST_NORM_BLOCK + 17, 1e-8), (3 * HOST_NORM_BLOCK, 1e-8),
+         (2 * HOST_NORM_BLOCK + 3 * 64 + 17, 1e-8)]  # the last: a partial last block and a tail  # fmt: skip
 
-@pytest.mark.parametrize("numel, rel", [(17, 1e-12), (3 * HOST_NORM_CHUNK + 17, 1e-12), (HOST_NORM_BLOCK + 17, 1e-8),
-                                        (3 * HOST_NORM_BLOCK, 1e-8)])  # fmt: skip
+
+@pytest.mark.parametrize("numel, rel", SIZES)
 def test_squares_match_fp64(numel, rel):
     """Small pieces summed in fp64; large ones in fp32 rows whose errors average out, below fp32's rounding."""
     torch.manual_seed(0)
@@ -43,3 +45,13 @@ def test_the_largest_finite_values_stay_finite():
     """fp32's largest value squared overflows an fp32 row; summed again in fp64 it fits: no false overflow."""
     piece = torch.full((HOST_NORM_BLOCK + 1,), torch.finfo(torch.float32).max)
     assert math.isfinite(piece_squares(piece))
+
+
+def test_a_piece_gives_the_same_squares_wherever_it_starts():
+    """The swapped gradient's piece and the in-memory shard's view of it sit at different offsets: the same values
+    give bitwise the same squares (clipping is the same in both homes)."""
+    torch.manual_seed(0)
+    numel = 2 * HOST_NORM_BLOCK + 3 * 64 + 17
+    buffer = torch.randn(numel + 5)
+    view = buffer[5:]
+    assert piece_squares(view) == piece_squares(view.clone())
