@@ -52,7 +52,7 @@ def piece_squares(grad: torch.Tensor) -> float:
     """A unit piece's share of the squared global norm, as both homes compute it. One fp32 reduction of a large
     piece is not enough: measured on 50M normal values, torch's fp32 vector_norm is 0.4% off (the lanes' partial
     sums outgrow fp32's precision), and an fp64 sum (chunks of HOST_NORM_CHUNK converted to fp64) takes 36-44 ms
-    per 50M values: 0.66 s of a steady step on a 1.24B-parameter model (py-spy). So on the host an fp32 piece of
+    per 50M values: ~1 s of a steady step on a 1.24B-parameter model (py-spy). So on the host an fp32 piece of
     HOST_NORM_BLOCK elements or more is cut into rows of HOST_NORM_ROW elements, each row's norm taken in fp32 (a
     vectorized call per block) and the rows' squares added in fp64: 7 ms per 50M values, within 2.5e-9 of the fp64
     sum on 50M values spread over six decades (values under ~1e-19, whose fp32 squares are denormal or zero, are
