@@ -172,7 +172,9 @@ class PartitionedOptimizer:
                 master.grad = None
             self._publish_weights()
         if not self.step_pending:
-            self.zero_grad()  # else once the last unit stepped
+            self.zero_grad()
+        else:  # the gradient goes once the last unit stepped; the reduction's spare buffers go now
+            self.reducer.drop_spares()
         return StepResult(stepped=True, grad_norm=norm)
 
     @property
