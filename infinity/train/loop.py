@@ -19,7 +19,7 @@ from infinity.errors import CheckpointError
 from infinity.memory.host import process_status_bytes
 from infinity.train import interrupt, models
 from infinity.train.data import token_source
-from infinity.train.disk import DiskBusy
+from infinity.train.disk import DiskBusy, DiskPhases
 from infinity.train.plan import Plan
 from infinity.train.progress import Progress, ProgressLogHandler, StepFigures
 from infinity.train.resume import checkpoint_and_tag
@@ -97,6 +97,7 @@ class Run:
         self.progress = Progress(total_steps=args.steps, first_step=first_step, enabled=plan.rank == 0)
         self._log_to(self.progress)
         disk = DiskBusy(plan.nvme_paths[0] if plan.nvme_paths else None)
+        phases = DiskPhases(plan.nvme_paths[0] if plan.nvme_paths else None)
         io_start = io_before = io_totals(engine.tier_stats())
         loop_started = time.perf_counter()
         losses: list[float] = []
@@ -106,16 +107,21 @@ class Run:
             step_started = time.perf_counter()
             usage_before = resource.getrusage(resource.RUSAGE_SELF)
             loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+            phases.begin_step()
             for m in range(accumulation):
                 tokens = source.batch(rank=engine.global_rank, micro_step=step * accumulation + m,
                                       micro_batch=micro, seq_len=args.seq_len)  # fmt: skip
-                loss = engine(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
-                engine.backward(loss)
-                engine.step()
+                with phases.phase("forward"):
+                    loss = engine(input_ids=tokens, labels=tokens).loss  # the model shifts the labels itself
+                with phases.phase("backward"):
+                    engine.backward(loss)
+                with phases.phase("step"):
+                    engine.step()
                 loss_sum += loss.detach().double()
                 interrupt.raise_if_requested()  # a signal whose own raise Python dropped (train/interrupt.py)
             if step + 1 == args.steps:
-                engine.finish_step()  # a step behind the forward has no next forward: its tiles count here
+                with phases.phase("step"):
+                    engine.finish_step()  # a step behind the forward has no next forward: its tiles count here
             # the mean over ranks (what plain PyTorch on the whole batch reports), through the engine's group
             all_reduce_mean(engine.comm, loss_sum, async_op=False)
             losses.append(loss_sum.item() / accumulation)
@@ -144,7 +150,7 @@ class Run:
             total_s=time.perf_counter() - started, io=io, disk_busy_s=disk_busy_s,
             peak_rss=process_status_bytes("VmHWM"), checkpoint=self.saved_to,
             median_step_s=statistics.median(step_times) if step_times else 0.0, tokens_per_step=tokens_per_step,
-            kernel=kernel_figures(usages),
+            kernel=kernel_figures(usages), disk_phases=phases.medians(),
         )  # fmt: skip
         engine.destroy()
         return summary

@@ -8,6 +8,7 @@ import statistics
 
 import torch
 
+from infinity.train.disk import PhaseTraffic
 from infinity.zero.collectives import all_reduce_max_, all_reduce_sum_
 
 GB = 1e9
@@ -111,10 +112,12 @@ class Summary:
     swap_folders: list[str]
     checkpoint: str | None
     kernel: StepUsage | None = None  # rank 0's medians (kernel_figures)
+    disk_phases: dict[str, PhaseTraffic] | None = None  # rank 0's medians per phase (train/disk.py DiskPhases)
 
     @classmethod
     def gather(cls, *, engine, plan, losses, first_step, step_times, loop_s, total_s, io: IoTotals, disk_busy_s,
-               peak_rss, checkpoint, median_step_s, tokens_per_step, kernel=None) -> Summary:  # fmt: skip
+               peak_rss, checkpoint, median_step_s, tokens_per_step, kernel=None,
+               disk_phases=None) -> Summary:  # fmt: skip
         """Collective: every rank calls it, in the same order."""
         owners = sorted(set(io.read) | set(io.written))
         summed = _across_ranks(engine, [io.read.get(o, 0) for o in owners] + [io.written.get(o, 0) for o in owners]
@@ -136,7 +139,7 @@ class Summary:
                    peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), peak_rss_sum=rss_sum, io=io_sum,
                    blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint,
-                   kernel=kernel)  # fmt: skip
+                   kernel=kernel, disk_phases=disk_phases)  # fmt: skip
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -168,6 +171,8 @@ class Summary:
                 waits += (f"; the disk was busy {self.disk_busy_s:.1f} s: {100 * hidden:.0f}% of it hidden behind "
                           "compute")  # fmt: skip
             lines.append(waits)
+            if self.disk_phases is not None:
+                lines.append(self._disk_phases_line())
         elif not self.losses:
             lines.append("  NVMe traffic  none: no step ran")
         else:
@@ -176,6 +181,13 @@ class Summary:
             lines.append(self._kernel_line())
         lines.append(f"  checkpoint    {self.checkpoint or 'none (pass --save DIR to keep one)'}")
         return "\n".join(lines)
+
+    def _disk_phases_line(self) -> str:
+        parts = [f"{name} {p.wall_s:.2f} s ({p.read_bytes / GB:.2f} GB read, {p.written_bytes / GB:.2f} GB written, "
+                 f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items() if p.wall_s > 0]  # fmt: skip
+        steps = "the step" if len(self.losses) < 2 else "the steps after the first"
+        return (f"  disk phases   {', '.join(parts)}; medians over {steps}, rank 0, the swap folder's whole device "
+                "(a step behind the forward counts in the forward)")
 
     def _kernel_line(self) -> str:
         k = self.kernel

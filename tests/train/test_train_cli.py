@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from infinity.memory import plan as memory_plan
+from infinity.train.disk import _stat_path
 from infinity.train.main import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +52,12 @@ def test_trains_saves_and_resumes_exactly(tmp_path, capsys):
         assert line in out, out
     assert "optimizer read" in out and "parameters read" in out  # both on NVMe, as configs/zero3-nvme.json says
     assert _swap_left(str(swap)) == [], "the swap files outlived the run"
-    losses = json.loads((tmp_path / "whole.json").read_text())["losses"]
+    whole_summary = json.loads((tmp_path / "whole.json").read_text())
+    losses = whole_summary["losses"]
+    if _stat_path(str(tmp_path)) is not None:  # a folder on a block device (not tmpfs): its disk's phases
+        assert "disk phases   forward" in out, out
+        phases = whole_summary["disk_phases"]
+        assert phases["forward"]["wall_s"] > 0 and phases["backward"]["wall_s"] > 0, phases
     assert len(losses) == 4 and abs(losses[0] - math.log(512)) < 0.5  # an untrained model: about ln(vocabulary)
     assert (ckpt / "latest").read_text().strip() == "global_step4" and os.path.isdir(ckpt / "global_step2")
     _estimate_within_15_percent(json.loads((tmp_path / "whole.json").read_text()))
