@@ -7,14 +7,14 @@ the same counters, and the bytes the device moved, by the phases of each step.""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
+from infinity.train.medians import steady_medians
 
-def _stat_path(folder: str) -> str | None:
+
+def stat_path(folder: str) -> str | None:
     try:
         device = os.stat(folder).st_dev
     except OSError:
@@ -32,7 +32,7 @@ class DiskBusy:
     """Seconds the disk holding ``folder`` was busy since this object was made (None where unknown)."""
 
     def __init__(self, folder: str | None) -> None:
-        self._path = _stat_path(folder) if folder else None
+        self._path = stat_path(folder) if folder else None
         self._start = _io_ticks_s(self._path) if self._path else None
 
     def seconds(self) -> float | None:
@@ -51,8 +51,8 @@ class PhaseTraffic:
     """One phase of a step, as the disk saw it: wall time, bytes the device read and wrote, seconds it was busy."""
 
     wall_s: float = 0.0
-    read_bytes: int = 0
-    written_bytes: int = 0
+    read_bytes: float = 0  # a median over an even number of steps may fall between two counts
+    written_bytes: float = 0
     busy_s: float = 0.0
 
 
@@ -69,10 +69,11 @@ def _counters(path: str) -> tuple[int, int, int] | None:
 class DiskPhases:
     """What the disk holding ``folder`` did in each phase of each step: where a step is slower than its disk, this
     says whether the disk idled in the forward or the backward (with the optimizer on NVMe the step runs behind
-    the forward, whose time and traffic then include it). The counters cover the whole device, as DiskBusy's."""
+    the forward, whose time and traffic then include it). The counters are the device's (or the partition's)
+    holding the folder, as DiskBusy's: other processes' I/O on it counts too."""
 
     def __init__(self, folder: str | None) -> None:
-        self._path = _stat_path(folder) if folder else None
+        self._path = stat_path(folder) if folder else None
         self.steps: list[dict[str, PhaseTraffic]] = []
 
     def begin_step(self) -> None:
@@ -81,7 +82,9 @@ class DiskPhases:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Counts what the disk does while the block runs into ``name`` of the current step."""
+        """Counts what the disk does while the block runs into ``name`` (one of PHASES) of the current step."""
+        if name not in PHASES:
+            raise ValueError(f"DiskPhases.phase: {name!r} is not one of {PHASES}")
         before = _counters(self._path) if self._path is not None and self.steps else None
         started = time.perf_counter()
         try:
@@ -98,9 +101,6 @@ class DiskPhases:
     def medians(self) -> dict[str, PhaseTraffic] | None:
         """Per phase, each figure's median over the steps after the first (the first step's alone if it is the
         only one); None where the folder has no block device or no step ran."""
-        steps = self.steps[1:] or self.steps
-        if not steps:
+        if not self.steps:
             return None
-        return {phase: PhaseTraffic(*(statistics.median(getattr(step[phase], f.name) for step in steps)
-                                      for f in dataclasses.fields(PhaseTraffic)))
-                for phase in PHASES}  # fmt: skip
+        return {phase: steady_medians([step[phase] for step in self.steps]) for phase in PHASES}

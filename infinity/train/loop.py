@@ -96,8 +96,8 @@ class Run:
         self.progress.close()
         self.progress = Progress(total_steps=args.steps, first_step=first_step, enabled=plan.rank == 0)
         self._log_to(self.progress)
-        disk = DiskBusy(plan.nvme_paths[0] if plan.nvme_paths else None)
-        phases = DiskPhases(plan.nvme_paths[0] if plan.nvme_paths else None)
+        swap_folder = plan.nvme_paths[0] if plan.nvme_paths else None
+        disk, phases = DiskBusy(swap_folder), DiskPhases(swap_folder)
         io_start = io_before = io_totals(engine.tier_stats())
         loop_started = time.perf_counter()
         losses: list[float] = []
@@ -119,9 +119,8 @@ class Run:
                     engine.step()
                 loss_sum += loss.detach().double()
                 interrupt.raise_if_requested()  # a signal whose own raise Python dropped (train/interrupt.py)
-            if step + 1 == args.steps:
-                with phases.phase("step"):
-                    engine.finish_step()  # a step behind the forward has no next forward: its tiles count here
+            if step + 1 == args.steps:  # a step behind the forward has no next forward: its tiles count here,
+                engine.finish_step()  # in the step's time, in no phase (the other steps' run in their forward)
             # the mean over ranks (what plain PyTorch on the whole batch reports), through the engine's group
             all_reduce_mean(engine.comm, loss_sum, async_op=False)
             losses.append(loss_sum.item() / accumulation)

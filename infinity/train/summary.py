@@ -4,11 +4,11 @@ numbers describe the whole run, not rank 0."""
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 import torch
 
 from infinity.train.disk import PhaseTraffic
+from infinity.train.medians import steady_medians
 from infinity.zero.collectives import all_reduce_max_, all_reduce_sum_
 
 GB = 1e9
@@ -81,11 +81,7 @@ class StepUsage:
 def kernel_figures(steps: list[StepUsage]) -> StepUsage | None:
     """Each figure's median over the steps after the first (all of them where only one ran); None where none
     ran."""
-    if not steps:
-        return None
-    steady = steps[1:] or steps
-    return StepUsage(**{f.name: statistics.median(getattr(s, f.name) for s in steady)
-                        for f in dataclasses.fields(StepUsage)})  # fmt: skip
+    return steady_medians(steps)
 
 
 def _across_ranks(engine, values: list[float], reduce) -> list[float]:
@@ -113,6 +109,7 @@ class Summary:
     checkpoint: str | None
     kernel: StepUsage | None = None  # rank 0's medians (kernel_figures)
     disk_phases: dict[str, PhaseTraffic] | None = None  # rank 0's medians per phase (train/disk.py DiskPhases)
+    step_behind_forward: bool = False  # the optimizer's step ran behind the next forward (its I/O in the forward's)
 
     @classmethod
     def gather(cls, *, engine, plan, losses, first_step, step_times, loop_s, total_s, io: IoTotals, disk_busy_s,
@@ -139,7 +136,8 @@ class Summary:
                    peak_rss_max=rss_max, peak_rss_rank0=float(peak_rss), peak_rss_sum=rss_sum, io=io_sum,
                    blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint,
-                   kernel=kernel, disk_phases=disk_phases)  # fmt: skip
+                   kernel=kernel, disk_phases=disk_phases,
+                   step_behind_forward=getattr(engine.zero_optimizer, "steps_behind_forward", False))  # fmt: skip
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -182,16 +180,20 @@ class Summary:
         lines.append(f"  checkpoint    {self.checkpoint or 'none (pass --save DIR to keep one)'}")
         return "\n".join(lines)
 
+    def _steps_medians_cover(self) -> str:
+        return "the step" if len(self.losses) < 2 else "the steps after the first"
+
     def _disk_phases_line(self) -> str:
         parts = [f"{name} {p.wall_s:.2f} s ({p.read_bytes / GB:.2f} GB read, {p.written_bytes / GB:.2f} GB written, "
                  f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items() if p.wall_s > 0]  # fmt: skip
-        steps = "the step" if len(self.losses) < 2 else "the steps after the first"
-        return (f"  disk phases   {', '.join(parts)}; medians over {steps}, rank 0, the swap folder's whole device "
-                "(a step behind the forward counts in the forward)")
+        behind = " (the optimizer's step runs behind the forward: its I/O counts there)" if self.step_behind_forward \
+            else ""
+        return (f"  disk phases   {', '.join(parts)}; medians over {self._steps_medians_cover()}, rank 0, the swap "
+                f"folder's device{behind}")
 
     def _kernel_line(self) -> str:
         k = self.kernel
-        steps = "the step" if len(self.losses) < 2 else "the steps after the first"
+        steps = self._steps_medians_cover()
         line = (f"  kernel        {k.system_s:.2f} s of system time a step ({100 * k.system_part:.0f}% of the step; "
                 f"user {k.user_s:.2f} s), {k.minor_faults:,.0f} minor faults a step")  # fmt: skip
         per_page = k.faults_per_page_moved

@@ -17,7 +17,8 @@ the next backward (the gradient is still the step's), a checkpoint save or load,
 offload_states, module_state_dict, a visit of the tiles. The units a forward does not use (an unused branch) are
 stepped by the next backward. Each tile runs the same kernel on the same values as in the eager step, so the
 results are bitwise the same (tests/distributed/test_step_behind_forward.py); the step's compute moves into the
-forward's timing, and the gradient is freed when the last unit has stepped. Split masters and optimizer classes
+forward's timing, and the gradient is freed when the last unit has stepped (the reduction's spare buffers, which
+the step does not read, go in engine.step(): reducer.py's drop_spares). Split masters and optimizer classes
 that keep state of their own between tiles step in engine.step() (``infinity.step_behind_forward``).
 """
 

@@ -4,6 +4,8 @@ folder's disk did in each phase of a step."""
 
 from __future__ import annotations
 
+import pytest
+
 from infinity.train import disk
 from infinity.train.summary import IoTotals, StepUsage, Summary, kernel_figures
 
@@ -53,7 +55,7 @@ def test_disk_phases_split_the_devices_counters_by_phase_and_take_medians(tmp_pa
     up); the summary shows each figure's median over the steps after the first."""
     stat = tmp_path / "stat"
     stat.write_text(_stat_line(0, 0, 0))
-    monkeypatch.setattr(disk, "_stat_path", lambda folder: str(stat))
+    monkeypatch.setattr(disk, "stat_path", lambda folder: str(stat))
     phases = disk.DiskPhases("/swap")
     counters = [0, 0, 0]
 
@@ -63,7 +65,7 @@ def test_disk_phases_split_the_devices_counters_by_phase_and_take_medians(tmp_pa
         counters[2] += busy_ms
         stat.write_text(_stat_line(*counters))
 
-    for step, scale in enumerate((100, 1, 3, 2)):  # the first step (100x) stays out of the medians
+    for step, scale in enumerate((100, 1, 2, 9)):  # the first step (100x) stays out of the medians
         phases.begin_step()
         for _ in range(2):  # two micro-steps
             with phases.phase("forward"):
@@ -76,14 +78,19 @@ def test_disk_phases_split_the_devices_counters_by_phase_and_take_medians(tmp_pa
     medians = phases.medians()
     assert medians["forward"].read_bytes == 2 * 2000 * 512 and medians["forward"].written_bytes == 2 * 4000 * 512
     assert medians["forward"].busy_s == 2.0 and medians["backward"].busy_s == 0.02, medians
-    assert medians["step"].read_bytes == 0 and medians["forward"].wall_s >= 0
+    assert medians["step"].read_bytes == 0 and medians["step"].busy_s == 0
     text = str(_summary(losses=[1.0] * 4, swap_folders=["/swap"], disk_phases=medians, moved=4096))
     assert "disk phases   forward" in text and "(0.00 GB read, 0.00 GB written, busy 0.02 s)" in text, text
-    assert "medians over the steps after the first" in text, text
+    assert "medians over the steps after the first" in text and "behind the forward" not in text, text
+    behind = _summary(losses=[1.0] * 4, swap_folders=["/swap"], disk_phases=medians, moved=4096)
+    behind.step_behind_forward = True
+    assert "the optimizer's step runs behind the forward: its I/O counts there" in str(behind)
+    with pytest.raises(ValueError, match="'forwrad' is not one of"), phases.phase("forwrad"):
+        pass
 
 
 def test_disk_phases_say_nothing_without_a_block_device(monkeypatch):
-    monkeypatch.setattr(disk, "_stat_path", lambda folder: None)
+    monkeypatch.setattr(disk, "stat_path", lambda folder: None)
     phases = disk.DiskPhases("/swap")
     phases.begin_step()
     with phases.phase("forward"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from infinity.memory import plan as memory_plan
-from infinity.train.disk import _stat_path
+from infinity.train.disk import stat_path
 from infinity.train.main import main as train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ def test_trains_saves_and_resumes_exactly(tmp_path, capsys):
     assert _swap_left(str(swap)) == [], "the swap files outlived the run"
     whole_summary = json.loads((tmp_path / "whole.json").read_text())
     losses = whole_summary["losses"]
-    if _stat_path(str(tmp_path)) is not None:  # a folder on a block device (not tmpfs): its disk's phases
+    if stat_path(str(tmp_path)) is not None:  # a folder on a block device (not tmpfs): its disk's phases
         assert "disk phases   forward" in out, out
         phases = whole_summary["disk_phases"]
         assert phases["forward"]["wall_s"] > 0 and phases["backward"]["wall_s"] > 0, phases
