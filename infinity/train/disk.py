@@ -46,7 +46,7 @@ PHASES = ("forward", "backward", "step")  # the training loop's calls: engine(..
 SECTOR_BYTES = 512  # the unit of the stat file's sector counts, whatever the device's own sector size
 
 
-@dataclass(slots=True)
+@dataclass(kw_only=True, slots=True)
 class PhaseTraffic:
     """One phase of a step, as the disk saw it: wall time, bytes the device read and wrote, seconds it was busy."""
 
@@ -82,7 +82,8 @@ class DiskPhases:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Counts what the disk does while the block runs into ``name`` (one of PHASES) of the current step."""
+        """Counts what the disk does while the block runs into ``name`` (one of PHASES) of the current step;
+        before the first ``begin_step`` (or without a block device) nothing is counted."""
         if name not in PHASES:
             raise ValueError(f"DiskPhases.phase: {name!r} is not one of {PHASES}")
         before = _counters(self._path) if self._path is not None and self.steps else None

@@ -137,7 +137,7 @@ class Summary:
                    blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint,
                    kernel=kernel, disk_phases=disk_phases,
-                   step_behind_forward=getattr(engine.zero_optimizer, "steps_behind_forward", False))  # fmt: skip
+                   step_behind_forward=engine.zero_optimizer.steps_behind_forward)  # fmt: skip
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,8 +188,9 @@ class Summary:
                  f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items() if p.wall_s > 0]  # fmt: skip
         behind = " (the optimizer's step runs behind the forward: its I/O counts there)" if self.step_behind_forward \
             else ""
-        return (f"  disk phases   {', '.join(parts)}; medians over {self._steps_medians_cover()}, rank 0, the swap "
-                f"folder's device{behind}")
+        device = "the first swap folder's device" if len(self.swap_folders) > 1 else "the swap folder's device"
+        return (f"  disk phases   {', '.join(parts)}; medians over {self._steps_medians_cover()}: rank 0's time, "
+                f"{device}'s bytes and busy time (every process's I/O on it){behind}")
 
     def _kernel_line(self) -> str:
         k = self.kernel

@@ -68,6 +68,7 @@ class PartitionedOptimizer:
     _no_grad_marks: dict[int, Callable[[], None]]  # id(param) -> what to do when it gets no gradient
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
     masters_are_weights: bool = False  # stages 0-2 in fp32 without offload: each master is a piece of the weights
+    steps_behind_forward: bool = False  # stage 3, optimizer on NVMe: the step runs behind the next forward
 
     def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, masters=None) -> TiledStep:
         # Before any work: an optimizer offload cannot run is a ConfigError.

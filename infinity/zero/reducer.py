@@ -407,8 +407,9 @@ class GradientReducer:
         their blocks and the next backward takes them back (GPT-2 small, bf16, stage 3, world size 2: peak RSS
         3.30 against 3.93 GiB a rank, steps 3.42-3.97 against 3.35-3.92 s in two rounds alternating). A step
         behind the next forward calls this in engine.step(), not when its last unit has stepped: kept until then,
-        the same workload with everything on NVMe (benchmarks/train_vs_peers.py's nvme mode) held 0.7 GiB more of
-        the heap in use at the forward's peak, a peak RSS of 3.69-3.83 GiB a rank against 3.03."""
+        the same workload with everything on NVMe (benchmarks/train_vs_peers.py's nvme mode) held ~0.7 GiB of
+        spares through that forward: its heap's in-use peak 2.28 GiB against 1.85 without the step behind the
+        forward, the heap 2.85 against 2.19 GiB, a peak RSS of 3.69-3.83 GiB a rank against 3.03."""
         if self.spare_budget_bytes is not None and not all_of_them and not host.freed_blocks_reused():
             return
         self._spare.clear()

@@ -58,6 +58,8 @@ def test_trains_saves_and_resumes_exactly(tmp_path, capsys):
         assert "disk phases   forward" in out, out
         phases = whole_summary["disk_phases"]
         assert phases["forward"]["wall_s"] > 0 and phases["backward"]["wall_s"] > 0, phases
+    else:  # tmpfs, overlay: no device counters, no line
+        assert whole_summary["disk_phases"] is None and "disk phases" not in out, out
     assert len(losses) == 4 and abs(losses[0] - math.log(512)) < 0.5  # an untrained model: about ln(vocabulary)
     assert (ckpt / "latest").read_text().strip() == "global_step4" and os.path.isdir(ckpt / "global_step2")
     _estimate_within_15_percent(json.loads((tmp_path / "whole.json").read_text()))
