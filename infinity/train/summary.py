@@ -185,7 +185,7 @@ class Summary:
 
     def _disk_phases_line(self) -> str:
         parts = [f"{name} {p.wall_s:.2f} s ({p.read_bytes / GB:.2f} GB read, {p.written_bytes / GB:.2f} GB written, "
-                 f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items() if p.wall_s > 0]  # fmt: skip
+                 f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items()]  # fmt: skip
         behind = "; the optimizer's step runs behind the forward: its I/O counts there" if self.step_behind_forward \
             else ""
         device = "the first swap folder's device" if len(self.swap_folders) > 1 else "the swap folder's device"
