@@ -124,17 +124,18 @@ class Unit:
             event = copies.record() if copies is not None else None
         if event is not None:
             self.staged_in = (copies, event)
-        if async_op:
-            self.state = UnitState.IN_FLIGHT
+        if async_op:  # the request first: an interrupt between the two never leaves IN_FLIGHT without it
             self.pending = pending
+            self.state = UnitState.IN_FLIGHT
         else:
             self.attach()
         return pending
 
     def wait(self) -> None:
         if self.state is UnitState.IN_FLIGHT:
-            self.pending.wait()
-            self.pending = None
+            if self.pending is not None:  # None: waited for already, when an interrupt came before attach()
+                self.pending.wait()
+                self.pending = None
             self.attach()
 
 
