@@ -244,6 +244,13 @@ class InfinitySection:
     zero/unit_optimizer.py). None (the default): wherever it can (torch's Adam, AdamW or SGD, fp32 masters);
     true: the same, refused where it cannot; false: the whole step runs in engine.step()."""
 
+    step_in_backward: bool | None = None
+    """Stage 3 with the optimizer in host memory: each unit's tiles step in the boundary's backward as soon as
+    its reduced gradient is final, so the whole gradient is never held ([Note: step in backward] in
+    zero/backward_step.py). None (the default): wherever it can (no gradient_clipping, no fp16, torch's Adam,
+    AdamW or SGD, fp32 masters, a window of one backward); true: the same, refused where it cannot; false: the
+    whole step runs in engine.step(), and the gradient can be read in between."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
@@ -709,7 +716,8 @@ def parse_config(
     if isinstance(clipping, bool) or not isinstance(clipping, int | float) or clipping < 0:
         raise ConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), got {clipping!r}")
     zero = _parse_zero(raw.get("zero_optimization"))
-    infinity = _parse_infinity({} if raw.get("infinity") is None else raw["infinity"], zero, bf16=bf16.enabled)
+    infinity = _parse_infinity({} if raw.get("infinity") is None else raw["infinity"], zero, bf16=bf16.enabled,
+                               clipping=float(clipping), fp16=fp16.enabled, accumulation=accumulation)  # fmt: skip
     return Config(
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
@@ -729,7 +737,8 @@ def parse_config(
     )
 
 
-def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool) -> InfinitySection:
+def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool, clipping: float = 0.0,
+                    fp16: bool = False, accumulation: int = 1) -> InfinitySection:  # fmt: skip
     section = _typed_section(InfinitySection, "infinity", raw)
     dtypes = ("fp32", "bf16", "int8")  # zero/compact.py's STATE_DTYPES
     if section.optimizer_state_dtype not in dtypes:
@@ -768,4 +777,15 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool) -> 
             'infinity.step_behind_forward true and offloaded_master "split" do not go together: split masters '
             "join with the pieces the step reads ahead itself (drop one of the keys)"
         )
+    if section.step_in_backward:
+        from infinity.zero.backward_step import can_step_in_backward  # torch: only where the key is set
+
+        why_not = can_step_in_backward(
+            offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu", clip_norm=clipping,
+            loss_scaling=fp16, driven_by_tiles=True, split_masters=section.offloaded_master == "split",
+        )  # fmt: skip
+        if why_not is None and accumulation > 1:
+            why_not = "gradient_accumulation_steps > 1 holds the window's earlier gradients until its last backward"
+        if why_not is not None:
+            raise ConfigError(f"infinity.step_in_backward true: {why_not} (drop the key, or set it false)")
     return section

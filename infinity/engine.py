@@ -393,8 +393,11 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             self._abandon(offload)
             raise
         self.optimizer = self.zero_optimizer
-        # whether the gradient is kept across steps, from the first training forward ([Note: gradient kept ...])
-        self._gradient_probe = FirstForwardProbe(self.zero_optimizer.gradients_in_memory)
+        # whether the gradient is kept across steps, from the first training forward ([Note: gradient kept ...]);
+        # none is held where the step runs in backward ([Note: step in backward])
+        in_backward = self.zero_optimizer.steps_in_backward and self.config.gradient_accumulation_steps == 1
+        held = None if in_backward else self.zero_optimizer.gradients_in_memory
+        self._gradient_probe = FirstForwardProbe(held)
         trim_heap()  # the model's own tensors, freed as they moved into the shards (infinity/memory/host.py)
         if (zero.offload_param.enabled or zero.offload_optimizer.enabled) and self.comm.rank == 0:
             plan = self.plan
@@ -484,6 +487,10 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             )  # fmt: skip
             if offload is not None and offload.home is Tier.NVME:
                 self.zero_optimizer.set_step_behind_forward(self.config.infinity.step_behind_forward)
+            self.zero_optimizer.set_step_in_backward(
+                self.config.infinity.step_in_backward, clip_norm=self.config.gradient_clipping,
+                loss_scaling=self.config.fp16.enabled,
+            )  # fmt: skip
             self._keep_generate_in_step()
             self.stage3.bind_reducer(self.zero_optimizer.reducer)
             self.stage3.coordinator.set_grad_params(self.zero_optimizer.grad_params_per_unit)
@@ -712,6 +719,7 @@ class Engine(EngineControls, EngineGetters, nn.Module):
     # ---- training ----
     def forward(self, *args, **kwargs):
         self.check_states_here("forward", ("lp_params",))
+        self._refuse_inside_a_backward_step("a forward")
         start = time.perf_counter()
         probe = getattr(self, "_gradient_probe", None)
         heap_before = None if probe is None else probe.begin()
@@ -731,17 +739,18 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         if loss.dim() != 0:
             raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
         start = time.perf_counter()
-        # The loss as the caller computed it (no sync here: read every steps_per_print steps). A caller that divided
-        # it by the accumulation steps itself (scale_wrt_gas off, as the Trainer does) gets it multiplied back, so
-        # the engine's line reports what the Trainer's does, as DeepSpeed's monitor does.
-        unscale = 1 if scale_wrt_gas else self.config.gradient_accumulation_steps
-        self._window_loss += loss.detach().double() * unscale
-        self._window_micro_steps += 1
         scale = self.loss_scaler.scale / (self.config.gradient_accumulation_steps if scale_wrt_gas else 1)
         scaled = loss.float() * scale
         self.zero_optimizer.begin_backward(
             scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale
         )
+        # The loss as the caller computed it (no sync here: read every steps_per_print steps), once the backward
+        # is accepted. A caller that divided it by the accumulation steps itself (scale_wrt_gas off, as the
+        # Trainer does) gets it multiplied back, so the engine's line reports what the Trainer's does, as
+        # DeepSpeed's monitor does.
+        unscale = 1 if scale_wrt_gas else self.config.gradient_accumulation_steps
+        self._window_loss += loss.detach().double() * unscale
+        self._window_micro_steps += 1
         self._backward_pending = True
         self._last_backward_at_boundary = self.is_gradient_accumulation_boundary()
         if self._last_backward_at_boundary:
@@ -793,9 +802,21 @@ class Engine(EngineControls, EngineGetters, nn.Module):
 
     def finish_step(self) -> None:
         """Steps the units a step running behind the forward has not reached yet ([Note: step behind forward] in
-        zero/unit_optimizer.py); anything that reads or replaces the whole training state calls this first."""
+        zero/unit_optimizer.py); anything that reads or replaces the whole training state calls this first. Between
+        a backward that took the step and engine.step() ([Note: step in backward]) it refuses instead."""
         if self.zero_optimizer is not None:
+            self._refuse_inside_a_backward_step("reading or saving the training state")
             self.zero_optimizer.finish_step()
+
+    def _refuse_inside_a_backward_step(self, what: str) -> None:
+        """The weights and states are the step's, but the step is not counted (step counts, the scheduler, the
+        persistent parameters) until engine.step(): whatever reads them in between would mix the two."""
+        if self.zero_optimizer is not None and self.zero_optimizer.gradient_taken_by_step:
+            raise InfinityError(
+                f"{what} between engine.backward() and engine.step(): that backward took the optimizer step "
+                "(infinity.step_in_backward, on where nothing needs the whole gradient), which counts once "
+                'engine.step() runs; call engine.step() first, or set "infinity": {"step_in_backward": false}'
+            )
 
     def _heap_within_host(self) -> None:
         """The heap's cache stays near its settled size, and gives way when the host runs short of memory
@@ -924,6 +945,8 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         checkpoint's pickled files are read without running code; False only for a checkpoint you trust
         (checkpoint/pickled.py)."""
         self.check_states_here("load_checkpoint")
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.abandon_backward_step()  # a backward stopped part way: the load replaces it all
         self.finish_step()
         from infinity.checkpoint.load import load_engine
 

@@ -203,6 +203,13 @@ class PartitionedState:
         if engine.zero_optimizer.stage < 2 and not getattr(engine, "_last_backward_at_boundary", False):
             raise StateAccessError("at ZeRO stages 0-1 the gradient is reduced at the accumulation boundary: call "
                                    "the gradient helpers after the backward that ends the window")  # fmt: skip
+        if engine.zero_optimizer.gradient_taken_by_step:
+            raise StateAccessError(
+                "the optimizer step ran in this backward, unit by unit, and each unit's gradient went with it "
+                '(infinity.step_in_backward, on where nothing needs the whole gradient): set "infinity": '
+                '{"step_in_backward": false} to read or write the gradient between engine.backward() and '
+                "engine.step()"
+            )
         shards = engine.zero_optimizer.gradients_in_memory
         if shards is None:
             raise StateAccessError("the gradient is on NVMe with the optimizer (stage 3, a gradient larger than a "

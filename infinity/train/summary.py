@@ -110,6 +110,7 @@ class Summary:
     kernel: StepUsage | None = None  # rank 0's medians (kernel_figures)
     disk_phases: dict[str, PhaseTraffic] | None = None  # rank 0's medians per phase (train/disk.py DiskPhases)
     step_behind_forward: bool = False  # the optimizer's step ran behind the next forward (its I/O in the forward's)
+    step_in_backward: bool = False  # the optimizer's step ran in the boundary's backward (its time in backward's)
 
     @classmethod
     def gather(cls, *, engine, plan, losses, first_step, step_times, loop_s, total_s, io: IoTotals, disk_busy_s,
@@ -137,7 +138,8 @@ class Summary:
                    blocked_s_max=blocked_max,
                    disk_busy_s=disk_busy_s, swap_folders=plan.nvme_paths, checkpoint=checkpoint,
                    kernel=kernel, disk_phases=disk_phases,
-                   step_behind_forward=engine.zero_optimizer.steps_behind_forward)  # fmt: skip
+                   step_behind_forward=engine.zero_optimizer.steps_behind_forward,
+                   step_in_backward=engine.zero_optimizer.steps_taken_in_backward > 0)  # fmt: skip
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,7 +189,7 @@ class Summary:
         parts = [f"{name} {p.wall_s:.2f} s ({p.read_bytes / GB:.2f} GB read, {p.written_bytes / GB:.2f} GB written, "
                  f"busy {p.busy_s:.2f} s)" for name, p in self.disk_phases.items()]  # fmt: skip
         behind = "; the optimizer's step runs behind the forward: its I/O counts there" if self.step_behind_forward \
-            else ""
+            else "; the optimizer's step runs in backward: its time counts there" if self.step_in_backward else ""
         device = "the first swap folder's device" if len(self.swap_folders) > 1 else "the swap folder's device"
         return (f"  disk phases   {', '.join(parts)}; medians over {self._steps_medians_cover()}: rank 0's time, "
                 f"{device}'s bytes and busy time (every process's I/O on it){behind}")

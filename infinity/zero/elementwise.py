@@ -67,6 +67,13 @@ def run_step_hooks(optimizer: torch.optim.Optimizer, *, post: bool) -> None:
         hook(optimizer, (), {})
 
 
+def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step pre-hook (global or the optimizer's) would run before the step."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return bool(optimizer._optimizer_step_pre_hooks or getattr(torch_optimizer, "_global_optimizer_pre_hooks", None))
+
+
 def raw_step(optimizer: torch.optim.Optimizer) -> Callable:
     """The class's step without torch's hook wrapper (which runs step hooks and counts calls)."""
     step = type(optimizer).step

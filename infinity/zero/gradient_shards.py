@@ -102,6 +102,11 @@ class GradientShards:
         return 4 * sum(self.numels)
 
     @property
+    def has_pieces(self) -> bool:
+        """A piece was written in this window (an earlier micro-step's, with gradient accumulation)."""
+        return bool(self._written)
+
+    @property
     def in_plain_host_memory(self) -> bool:
         """Held in unpinned host memory: the heap's (pinned blocks stay in torch's own cache)."""
         return self.device.type == "cpu" and not self.pinned

@@ -69,6 +69,9 @@ class PartitionedOptimizer:
     tiled: TiledStep | None = None  # offloaded: masters and states in tiles, no ``masters``
     masters_are_weights: bool = False  # stages 0-2 in fp32 without offload: each master is a piece of the weights
     steps_behind_forward: bool = False  # stage 3, optimizer on NVMe: the step runs behind the next forward
+    steps_in_backward: bool = False  # stage 3, optimizer in host memory: the boundary's backward takes the step
+    gradient_taken_by_step: bool = False  # ... and did: no gradient exists until the next backward
+    steps_taken_in_backward: int = 0
 
     def _make_tiled(self, optimizer: torch.optim.Optimizer, runs, offload: Offload, masters=None) -> TiledStep:
         # Before any work: an optimizer offload cannot run is a ConfigError.
@@ -142,6 +145,9 @@ class PartitionedOptimizer:
 
     def finish_step(self) -> None:
         """Finishes a step under way behind the forward, if any."""
+
+    def abandon_backward_step(self) -> None:
+        """Forgets a step a backward began and did not finish ([Note: step in backward]): a load replaces it."""
 
     def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
         self.finish_step()

@@ -399,6 +399,18 @@ class GradientReducer:
         self._spare_bytes += nbytes
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._in_use_bytes + self._spare_bytes)
 
+    def abandon_backward(self) -> None:
+        """Stages 2-3, after a backward that stopped part way (a load replaces the state next): its filled buckets
+        and unfinished reductions are dropped, never delivered, so the next backward starts from nothing."""
+        if self.stage < 2:
+            return
+        self._pending.clear()  # their pieces are not delivered: a step in backward would take them
+        for state in self._states:
+            state.buffer = None
+            state.written.clear()
+        self._open = False
+        self._in_use_bytes = self._in_use_count = self._pieces_bytes = self._waiting_bytes = 0  # none in use now
+
     def drop_spares(self, *, all_of_them: bool = False) -> None:
         """After the step: stage 2's spare buffers go back (kept across the micro-steps of a window only; between
         windows the forward's activations need the room). Stage 3 keeps its own within their budget, which the

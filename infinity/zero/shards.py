@@ -341,6 +341,11 @@ class UnitShards:
             self._editing[index] = handle
         return self._editing[index].wait()
 
+    def commit_all(self) -> None:
+        """Every piece open for editing goes back (a step abandoned part way, before a load replaces them)."""
+        for index in [*self._editing, *self._editing_outsized]:
+            self.commit(index)
+
     def held_numel(self, index: int) -> int:
         """Elements of the rank's piece of unit ``index`` that hold parameters (the rest is padding)."""
         bucket = self.layout.buckets[index]

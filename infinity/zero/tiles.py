@@ -451,6 +451,11 @@ class TiledStep:
             return True
         return self.gradients is not None and len(self._grads_ahead) >= self.gradients.manager.buffer_count - 1
 
+    def abandon_step(self) -> None:
+        """A step begun and not finished is forgotten, uncounted (a load replaces the tiles next)."""
+        self._run = None
+        self._release_ahead()
+
     def end_step(self) -> None:
         """Every tile of the step was stepped: the step counts."""
         for group in range(len(self.steps)):

@@ -34,6 +34,9 @@ from torch import nn
 from infinity.comm import Comm
 from infinity.errors import ConfigError, InfinityError
 from infinity.memory.tiers import Tier, TierManager
+from infinity.zero.backward_step import KEY as STEP_IN_BACKWARD
+from infinity.zero.backward_step import BackwardStep, can_step_in_backward, hyperparameters
+from infinity.zero.elementwise import has_step_pre_hooks
 from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
 from infinity.zero.partition import overlap
@@ -93,6 +96,7 @@ class UnitOptimizer(PartitionedOptimizer):
             if compute_dtype == torch.float32 and table.shards.home is Tier.DEVICE:
                 masters = self._tile_weight  # the fp32 shard is the master ([Note: tiles] in tiles.py)
         self.tiled = self._make_tiled(optimizer, _unit_runs(table, owner, comm.rank), offload, masters)
+        self._offload_home = offload.home
         self.gradients: SwappedGradients | None = None
         self._grad_factors: list[float] = []
         if offload.gradients is not None:
@@ -126,8 +130,14 @@ class UnitOptimizer(PartitionedOptimizer):
         self.reducer = GradientReducer(
             comm=comm, stage=3, layouts=(table.layout,), gradients=self.gradients_in_memory, shard_rank=comm.rank,
             device=device, overlap_comm=overlap_comm, expected=expected, max_in_flight=None,
-            deliver=None if self.gradients is None else self.gradients.deliver,
+            deliver=self._deliver,
         )  # fmt: skip
+        # [Note: step in backward] in backward_step.py: whether it may, and the step being taken in this backward
+        self.steps_in_backward = False  # set_step_in_backward() turns it on
+        self._step_in_backward_required = False  # the key was true: a backward that cannot take it is an error
+        self.steps_taken_in_backward = 0
+        self._backward_step: BackwardStep | None = None
+        self._landing: torch.Tensor | None = None  # a device piece's host copy (reused), which the tiles read
         self._hooks = []
         self._no_grad_marks = {}
         self.grad_params_per_unit = [0] * len(table.units)
@@ -167,13 +177,133 @@ class UnitOptimizer(PartitionedOptimizer):
         on_param_grad(unit_index)
 
     def _tile_grad(self, tile: Tile) -> torch.Tensor:
+        if self._backward_step is not None and self._backward_step.gradient is not None:
+            unit, piece = self._backward_step.gradient  # [Note: step in backward]
+            first = tile.start - self.table.layout.buckets[unit].shard_offset
+            return piece[first : first + tile.numel]
         return self.grad_shards[0][tile.start : tile.start + tile.numel]
 
+    def _deliver(self, unit: int, piece: torch.Tensor) -> None:
+        """Unit ``unit``'s reduced piece: its tiles step now (in a backward taking the step), or it goes to NVMe
+        ([Note: swapped gradients] in grads.py), or into the gradient in memory."""
+        if self._backward_step is not None:
+            self._step_in_backward(unit, piece)
+        elif self.gradients is not None:
+            self.gradients.deliver(unit, piece)
+        else:  # the window's first piece is copied, later ones added ([Note: gradient shards])
+            self.gradients_in_memory.write(0, self.table.layout.buckets[unit].shard_offset, piece)
+
     def begin_backward(self, loss: torch.Tensor, *, boundary: bool, loss_scale: float = 1.0) -> None:
+        if self._backward_step is not None:
+            raise InfinityError(
+                f"engine.backward() ran again before engine.step(), after a backward that took the optimizer step "
+                f"({self._backward_step.describe()}; {STEP_IN_BACKWARD} is on where nothing needs the whole "
+                "gradient): call engine.step() after each backward. To add up several backward passes set "
+                f'gradient_accumulation_steps, or set "infinity": {{"step_in_backward": false}}. A backward that '
+                "stopped part way left the model between two steps: load the last checkpoint"
+            )
         self.finish_step()  # the last step's gradient is still read by units not stepped yet
         if self.gradients is not None:
             self.gradients.begin_backward(boundary=boundary, loss_scale=loss_scale)
+        if self._steps_in_this_backward(boundary=boundary, loss_scale=loss_scale):
+            # the units step as backward reduces them: last unit first
+            self.tiled.begin_step(self.optimizer.param_groups, order=self.tiled.tiles[::-1], deferred=True)
+            self._backward_step = BackwardStep(units=frozenset(self._tiles_of_unit),
+                                               settings=hyperparameters(self.optimizer.param_groups))  # fmt: skip
         super().begin_backward(loss, boundary=boundary, loss_scale=loss_scale)
+
+    # ---- [Note: step in backward] in backward_step.py ----
+    def set_step_in_backward(self, wanted: bool | None, *, clip_norm: float, loss_scaling: bool) -> None:
+        """infinity.step_in_backward (None: where it can; True: refused where it cannot; False: never)."""
+        rule = self.tiled.rule
+        why_not = can_step_in_backward(
+            offloaded_to_host=self._offload_home is Tier.HOST and self.gradients is None, clip_norm=clip_norm,
+            loss_scaling=loss_scaling, driven_by_tiles=rule.update is not None and rule.stepper is None,
+            split_masters=self.tiled.splitter is not None,
+        )  # fmt: skip
+        if wanted and why_not is not None:
+            raise ConfigError(f"{STEP_IN_BACKWARD} true: {why_not} (drop the key, or set it false)")
+        self.steps_in_backward = why_not is None and wanted is not False
+        self._step_in_backward_required = bool(wanted)
+
+    def _steps_in_this_backward(self, *, boundary: bool, loss_scale: float) -> bool:
+        """This backward takes the step: it ends a window of one backward (with gradients added up over several,
+        the earlier ones are held anyway), and no step pre-hook must run before the step (it would run late)."""
+        if not (self.steps_in_backward and boundary and loss_scale == 1.0):
+            return False
+        why_not = None
+        if self.gradients_in_memory.has_pieces:
+            why_not = "this window's earlier backward passes hold their gradient (gradient_accumulation_steps > 1)"
+        elif has_step_pre_hooks(self.optimizer):
+            why_not = "an optimizer step pre-hook is registered, which must run before the step"
+        if why_not is not None and self._step_in_backward_required:
+            raise InfinityError(f"{STEP_IN_BACKWARD} true: {why_not} (drop the key, or set it false)")
+        return why_not is None
+
+    @property
+    def gradient_taken_by_step(self) -> bool:
+        """The boundary's backward took the step: the gradient went with it (the gradient helpers refuse)."""
+        return self._backward_step is not None
+
+    def _step_in_backward(self, unit: int, piece: torch.Tensor) -> None:
+        step = self._backward_step
+        tiles = self._tiles_of_unit.get(unit)
+        if tiles is None:  # trainable parameters outside the optimizer only: nothing steps
+            return
+        piece = self._on_host(piece)
+        step.squares[unit] = piece_squares(piece)  # as the flat gradient's piece in host memory gives it
+        step.gradient = (unit, piece)
+        try:
+            with _outside_the_forward():
+                self.tiled.step_tiles(tiles, self._commit_after_last_tile)
+        finally:
+            step.gradient = None
+        step.stepped.add(unit)
+
+    def _on_host(self, piece: torch.Tensor) -> torch.Tensor:
+        """A piece reduced on an accelerator, copied into a reused host buffer (pinned as the gradient would
+        be): the tiles step in host memory, and the norm is taken there as the flat gradient's would be."""
+        if piece.device.type == "cpu":
+            return piece
+        if self._landing is None:
+            widest = max(bucket.piece_numel for bucket in self.table.layout.buckets)
+            self._landing = torch.empty(widest, dtype=torch.float32, pin_memory=self.gradients_in_memory.pinned)
+        host = self._landing[: piece.numel()]
+        host.copy_(piece)  # waits for it: the tiles read it now
+        return host
+
+    def _end_backward_step(self) -> None:
+        """The step taken in backward counts: its step counts, the persistent units regathered (every rank calls
+        this at the same point: engine.step())."""
+        step = self._backward_step
+        if not step.complete:
+            raise InfinityError(
+                f"the backward that was taking the optimizer step ({STEP_IN_BACKWARD}) stopped part way "
+                f"({step.describe()}): the model is between two steps. Load the last checkpoint to go on "
+                "(engine.load_checkpoint)"
+            )
+        self._check_settings(step)
+        self.tiled.end_step()
+        step.ended = True
+        self.steps_taken_in_backward += 1
+        self._regather_persistent()
+
+    def _check_settings(self, step: BackwardStep) -> None:
+        changed = step.changed_setting(self.optimizer.param_groups)
+        if changed is not None:
+            raise InfinityError(
+                f"{changed}: the optimizer step ran in backward ({STEP_IN_BACKWARD}) with the setting then. "
+                "Change hyperparameters before engine.backward() (a scheduler after engine.step() is fine), "
+                'or set "infinity": {"step_in_backward": false}'
+            )
+
+    def abandon_backward_step(self) -> None:
+        if self._backward_step is None:
+            return
+        self._backward_step = None
+        self.tiled.abandon_step()
+        self.table.shards.commit_all()
+        self.reducer.abandon_backward()
 
     def _scale_grads(self, factor: float) -> None:
         if self.gradients is not None:
@@ -187,10 +317,12 @@ class UnitOptimizer(PartitionedOptimizer):
 
     def _local_squares(self) -> torch.Tensor:
         """Per unit piece holding tiles, summed in unit order, wherever the gradient lives ([Note: swapped
-        gradients] in grads.py)."""
+        gradients] in grads.py), or was when its unit stepped in backward."""
         total = 0.0
         for unit in sorted(self._tiles_of_unit):
-            if self.gradients is not None:
+            if self._backward_step is not None:
+                total += self._backward_step.squares.get(unit, 0.0)
+            elif self.gradients is not None:
                 total += self.gradients.squares.get(unit, 0.0)
             else:
                 bucket = self.table.layout.buckets[unit]
@@ -218,6 +350,9 @@ class UnitOptimizer(PartitionedOptimizer):
         return self._read_piece[1][first : first + tile.numel]
 
     def _step_tiles(self) -> None:
+        if self._backward_step is not None:  # taken in backward, counted by finish_step()
+            self._backward_step = None
+            return
         if self.steps_behind_forward:
             self._defer_step()
             return
@@ -291,7 +426,10 @@ class UnitOptimizer(PartitionedOptimizer):
             self._end_deferred()
 
     def finish_step(self) -> None:
-        """Steps every unit the step has not reached yet (before anything else reads the tiles or the gradient)."""
+        """Steps every unit the step has not reached yet (before anything else reads the tiles or the gradient);
+        a step taken in backward counts from here (engine.step(); the engine refuses the rest in between)."""
+        if self._backward_step is not None and not self._backward_step.ended:
+            self._end_backward_step()
         if self._stepping is not None and self._pending:
             raise InfinityError(
                 f"the step behind the forward was asked to finish while unit {self._stepping}'s tiles were stepping "
@@ -327,11 +465,14 @@ class UnitOptimizer(PartitionedOptimizer):
         """The first tiles' reads, in the order the step will take them: from the start of the boundary's
         backward when the step runs behind the forward (whose first unit waits for its tiles, with no compute to
         hide them), without their gradients (backward writes them); those at its end."""
+        if self._backward_step is not None:
+            return  # this backward took the step: the next one's tiles wait for the next backward
         if gradients or self.steps_behind_forward:
             self.tiled.prefetch(self._expected_tiles(), gradients=gradients)
 
     def close(self) -> None:
         self._pending.clear()  # a step not finished by now changes nothing anyone reads
+        self._backward_step = None
         self._unhook()
         super().close()
 
@@ -375,6 +516,12 @@ class UnitOptimizer(PartitionedOptimizer):
         self.tiled.edit_masters([t for t in self.tiled.tiles if t.piece == unit.index], edit, weights)
 
     def zero_grad(self) -> None:
+        if self._backward_step is not None:  # engine.step() clears it before it gets here
+            raise InfinityError(
+                "optimizer.zero_grad() between engine.backward() and engine.step(): that backward took the optimizer "
+                f"step ({STEP_IN_BACKWARD}, on where nothing needs the whole gradient), so there is no gradient "
+                'left to clear; call engine.step() first, or set "infinity": {"step_in_backward": false}'
+            )
         self.finish_step()  # optimizer.zero_grad() after engine.step(): the pending units step with the gradient
         self._grad_factors.clear()
         if self.gradients is not None:

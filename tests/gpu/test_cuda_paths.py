@@ -183,6 +183,39 @@ def test_the_step_behind_the_forward_on_cuda_is_the_step_in_engine_step(tmp_path
         assert abs(a - b) <= 1e-4 * abs(b)  # cuBLAS may differ run to run; the weights do not
 
 
+def test_the_step_in_backward_on_cuda_is_the_step_in_engine_step():
+    """Stage 3, the optimizer in pinned host memory, weights on the device: each unit's reduced piece is copied
+    into one reused host buffer and its tiles step inside backward ([Note: step in backward]); the weights and the
+    norm equal those of the step in engine.step() (which streams the pieces into the host gradient), bitwise."""
+
+    def run(in_backward: bool) -> tuple[tuple[list[float], dict], list[float]]:
+        zero = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        cfg = {**config(3, **zero), "infinity": {"step_in_backward": in_backward}}
+        engine, *_ = infinity.initialize(model=mlp(), config=cfg)
+        norms = []
+        engine.step = _and_record_norm(engine, norms)
+        trained = engine_losses(engine)
+        assert engine.zero_optimizer.steps_taken_in_backward == (STEPS if in_backward else 0)
+        engine.destroy()
+        return trained, norms
+
+    ((want_losses, want), want_norms), ((got_losses, got), got_norms) = run(False), run(True)
+    assert all(torch.equal(want[name], got[name]) for name in want)
+    assert got_norms == want_norms
+    for a, b in zip(got_losses, want_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b)
+
+
+def _and_record_norm(engine, norms: list[float]):
+    step = engine.step
+
+    def recorded() -> None:
+        step()
+        norms.append(engine.get_global_grad_norm())
+
+    return recorded
+
+
 @pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 def test_stage_in_copies_run_on_the_side_stream(tmp_path, monkeypatch, param_device):
     """[Note: copy stream]: every host -> device copy of a parameter piece from host memory (a staging buffer, the

@@ -85,6 +85,8 @@ def test_disk_phases_split_the_devices_counters_by_phase_and_take_medians(tmp_pa
     behind = _summary(losses=[1.0] * 4, swap_folders=["/swap"], disk_phases=medians, moved=4096)
     behind.step_behind_forward = True
     assert "the optimizer's step runs behind the forward: its I/O counts there" in str(behind)
+    behind.step_behind_forward, behind.step_in_backward = False, True
+    assert "the optimizer's step runs in backward: its time counts there" in str(behind)
     with pytest.raises(ValueError, match="'forwrad' is not one of"), phases.phase("forwrad"):
         pass
 
