@@ -744,18 +744,18 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         self.zero_optimizer.begin_backward(
             scaled, boundary=self.is_gradient_accumulation_boundary(), loss_scale=self.loss_scaler.scale
         )
-        # The loss as the caller computed it (no sync here: read every steps_per_print steps), once the backward
-        # is accepted. A caller that divided it by the accumulation steps itself (scale_wrt_gas off, as the
-        # Trainer does) gets it multiplied back, so the engine's line reports what the Trainer's does, as
-        # DeepSpeed's monitor does.
-        unscale = 1 if scale_wrt_gas else self.config.gradient_accumulation_steps
-        self._window_loss += loss.detach().double() * unscale
-        self._window_micro_steps += 1
         self._backward_pending = True
         self._last_backward_at_boundary = self.is_gradient_accumulation_boundary()
         if self._last_backward_at_boundary:
             self.zero_optimizer.prefetch_states(gradients=False)
         scaled.backward()
+        # The loss as the caller computed it (no sync here: read every steps_per_print steps), once its backward
+        # has run (a refused or failed one counts nothing). A caller that divided it by the accumulation steps
+        # itself (scale_wrt_gas off, as the Trainer does) gets it multiplied back, so the engine's line reports
+        # what the Trainer's does, as DeepSpeed's monitor does.
+        unscale = 1 if scale_wrt_gas else self.config.gradient_accumulation_steps
+        self._window_loss += loss.detach().double() * unscale
+        self._window_micro_steps += 1
         if self.stage3 is not None:
             self.stage3.coordinator.end_pass()  # every rank done with its fetches; all units released
         self.zero_optimizer.reducer.finish_backward()
@@ -800,12 +800,12 @@ class Engine(EngineControls, EngineGetters, nn.Module):
             return
         self.micro_steps += 1
 
-    def finish_step(self) -> None:
+    def finish_step(self, what: str = "reading or saving the training state") -> None:
         """Steps the units a step running behind the forward has not reached yet ([Note: step behind forward] in
         zero/unit_optimizer.py); anything that reads or replaces the whole training state calls this first. Between
-        a backward that took the step and engine.step() ([Note: step in backward]) it refuses instead."""
+        a backward that took the step and engine.step() ([Note: step in backward]) it refuses ``what`` instead."""
         if self.zero_optimizer is not None:
-            self._refuse_inside_a_backward_step("reading or saving the training state")
+            self._refuse_inside_a_backward_step(what)
             self.zero_optimizer.finish_step()
 
     def _refuse_inside_a_backward_step(self, what: str) -> None:
@@ -813,9 +813,10 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         persistent parameters) until engine.step(): whatever reads them in between would mix the two."""
         if self.zero_optimizer is not None and self.zero_optimizer.gradient_taken_by_step:
             raise InfinityError(
-                f"{what} between engine.backward() and engine.step(): that backward took the optimizer step "
-                "(infinity.step_in_backward, on where nothing needs the whole gradient), which counts once "
-                'engine.step() runs; call engine.step() first, or set "infinity": {"step_in_backward": false}'
+                f"{what} between engine.backward() and engine.step(): that backward took the optimizer step unit "
+                "by unit (infinity.step_in_backward, on where nothing needs the whole gradient), the gradient went "
+                "with it, and the step counts once engine.step() runs; call engine.step() first, or set "
+                '"infinity": {"step_in_backward": false}'
             )
 
     def _heap_within_host(self) -> None:
@@ -945,8 +946,9 @@ class Engine(EngineControls, EngineGetters, nn.Module):
         checkpoint's pickled files are read without running code; False only for a checkpoint you trust
         (checkpoint/pickled.py)."""
         self.check_states_here("load_checkpoint")
-        if self.zero_optimizer is not None:
-            self.zero_optimizer.abandon_backward_step()  # a backward stopped part way: the load replaces it all
+        if self.zero_optimizer is not None and self.zero_optimizer.abandon_backward_step():
+            # a backward stopped part way after stepping some units: the load replaces it all
+            self._backward_pending = False
         self.finish_step()
         from infinity.checkpoint.load import load_engine
 

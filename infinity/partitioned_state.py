@@ -203,13 +203,6 @@ class PartitionedState:
         if engine.zero_optimizer.stage < 2 and not getattr(engine, "_last_backward_at_boundary", False):
             raise StateAccessError("at ZeRO stages 0-1 the gradient is reduced at the accumulation boundary: call "
                                    "the gradient helpers after the backward that ends the window")  # fmt: skip
-        if engine.zero_optimizer.gradient_taken_by_step:
-            raise StateAccessError(
-                "the optimizer step ran in this backward, unit by unit, and each unit's gradient went with it "
-                '(infinity.step_in_backward, on where nothing needs the whole gradient): set "infinity": '
-                '{"step_in_backward": false} to read or write the gradient between engine.backward() and '
-                "engine.step()"
-            )
         shards = engine.zero_optimizer.gradients_in_memory
         if shards is None:
             raise StateAccessError("the gradient is on NVMe with the optimizer (stage 3, a gradient larger than a "
@@ -282,7 +275,7 @@ def state_of(param: nn.Parameter) -> PartitionedState:
             access = _ACCESS[engine] = PartitionedState(engine)
         if id(param) in access.map.names:
             engine.check_states_here("a partitioned-state helper (safe_get/safe_set)")
-            engine.finish_step()  # a step running behind the forward counts as taken
+            engine.finish_step("a partitioned-state helper (safe_get_full_grad, safe_get_full_fp32_param, ...)")
             return access
     raise StateAccessError("this parameter belongs to no live infinity training engine: call the helper on a "
                            "parameter of the model initialize() returned, before engine.destroy()")  # fmt: skip

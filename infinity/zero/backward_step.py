@@ -25,12 +25,14 @@ persistent units regathered); nothing is freed, since nothing was held.
 
 Between the two the model is between steps: the weights and states are the new ones, the step counts, the
 scheduler and the persistent parameters the old ones. So whatever would read that mix, or needed the gradient,
-is refused by name until engine.step(): the gradient helpers, the state helpers, a forward, a save,
-optimizer.zero_grad(), a second backward (it would have added up: gradient_accumulation_steps does that). A
-backward that stops part way leaves some units stepped: engine.step() refuses, and engine.load_checkpoint()
-forgets the half-taken step and replaces the state. Where any of that is wanted, ``infinity.step_in_backward:
-false`` keeps the whole step in engine.step(). The rule, and the reasons it does not apply elsewhere:
-``can_step_in_backward``.
+is refused by name until engine.step(): the gradient helpers, the state helpers, the engine's forward, a save,
+optimizer.zero_grad(), a second backward (it would have added up: gradient_accumulation_steps does that); the
+model called directly and GatheredParameters are not watched (they see the new weights, the persistent units the
+old ones). A backward that stops part way leaves some units stepped: engine.step() refuses, and
+engine.load_checkpoint() forgets the half-taken step and the reduction's partial buckets and replaces the state
+(at world size 1: with several ranks a failure inside backward ends the run, as any failed collective does).
+Where any of that is wanted, ``infinity.step_in_backward: false`` keeps the whole step in engine.step(). The
+rule, and the reasons it does not apply elsewhere: ``can_step_in_backward``.
 """
 
 from __future__ import annotations

@@ -146,8 +146,10 @@ class PartitionedOptimizer:
     def finish_step(self) -> None:
         """Finishes a step under way behind the forward, if any."""
 
-    def abandon_backward_step(self) -> None:
-        """Forgets a step a backward began and did not finish ([Note: step in backward]): a load replaces it."""
+    def abandon_backward_step(self) -> bool:
+        """Forgets a step a backward began and did not finish ([Note: step in backward]): a load replaces it.
+        Whether there was one."""
+        return False
 
     def step(self, *, loss_scale: float, clip_norm: float, check_overflow: bool) -> StepResult:
         self.finish_step()

