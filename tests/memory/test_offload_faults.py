@@ -363,7 +363,7 @@ def test_stage3_on_nvme_host_memory_and_descriptors_stay_flat_over_200_steps(nvm
     ring (max_in_cpu 0): after 20 warm-up steps, 200 more leave RSS within 8 MiB of where it was and flat over the
     last 100 (within 1 MiB; measured: +3 MiB over the first 100 steps as the allocator settles, +0.1 MiB over the
     last 100), with not one more open file descriptor or thread."""
-    config = nvme_config(nvme, stage=3, sub_group_size=512, **PIPELINED)
+    config = nvme_config(nvme, stage=3, sub_group_size=2048, **PIPELINED)  # 14 tiles through a 3-buffer ring
     config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0,
                                                     "buffer_count": 4}  # fmt: skip
     with gradients_on_nvme():
