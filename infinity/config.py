@@ -778,7 +778,7 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool, cli
             "join with the pieces the step reads ahead itself (drop one of the keys)"
         )
     if section.step_in_backward:
-        from infinity.zero.backward_step import can_step_in_backward  # torch: only where the key is set
+        from infinity.zero.backward_step import can_step_in_backward, refusal  # torch: only where the key is set
 
         why_not = can_step_in_backward(
             offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu", clip_norm=clipping,
@@ -787,5 +787,5 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool, cli
         if why_not is None and accumulation > 1:
             why_not = "gradient_accumulation_steps > 1 holds the window's earlier gradients until its last backward"
         if why_not is not None:
-            raise ConfigError(f"infinity.step_in_backward true: {why_not} (drop the key, or set it false)")
+            raise ConfigError(refusal(why_not))
     return section

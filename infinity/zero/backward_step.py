@@ -65,6 +65,11 @@ def can_step_in_backward(*, offloaded_to_host: bool, clip_norm: float, loss_scal
     return None
 
 
+def refusal(why_not: str) -> str:
+    """What the key set to true says where the step cannot run in backward (``can_step_in_backward``'s reason)."""
+    return f"{KEY} true: {why_not} (drop the key, or set it false)"
+
+
 def hyperparameters(param_groups: Sequence[dict]) -> list[dict[str, float | int | bool]]:
     """The groups' numeric settings: numbers, one-element tensors (a capturable lr), tuples of numbers (betas)."""
     kept = []

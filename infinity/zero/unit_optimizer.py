@@ -35,7 +35,7 @@ from infinity.comm import Comm
 from infinity.errors import ConfigError, InfinityError
 from infinity.memory.tiers import Tier, TierManager
 from infinity.zero.backward_step import KEY as STEP_IN_BACKWARD
-from infinity.zero.backward_step import BackwardStep, can_step_in_backward, hyperparameters
+from infinity.zero.backward_step import BackwardStep, can_step_in_backward, hyperparameters, refusal
 from infinity.zero.elementwise import has_step_pre_hooks
 from infinity.zero.grads import SwappedGradients, piece_squares
 from infinity.zero.optimizer import Offload, PartitionedOptimizer, gradient_shards_for
@@ -222,7 +222,7 @@ class UnitOptimizer(PartitionedOptimizer):
             split_masters=self.tiled.splitter is not None,
         )  # fmt: skip
         if wanted and why_not is not None:
-            raise ConfigError(f"{STEP_IN_BACKWARD} true: {why_not} (drop the key, or set it false)")
+            raise ConfigError(refusal(why_not))
         self.steps_in_backward = why_not is None and wanted is not False
         self._step_in_backward_required = bool(wanted)
 
@@ -237,7 +237,7 @@ class UnitOptimizer(PartitionedOptimizer):
         elif has_step_pre_hooks(self.optimizer):
             why_not = "an optimizer step pre-hook is registered, which must run before the step"
         if why_not is not None and self._step_in_backward_required:
-            raise InfinityError(f"{STEP_IN_BACKWARD} true: {why_not} (drop the key, or set it false)")
+            raise InfinityError(refusal(why_not))
         return why_not is None
 
     @property
