@@ -7,7 +7,8 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   persistent small ones whole), the fp32 masters (in fp32 without optimizer offload the weights themselves are
   the masters: no copy), the optimizer states (Adam 2, SGD with momentum 1 fp32 per element), the reduced fp32
   gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names (the
-  gradient at stage 3 with the optimizer on NVMe: in host memory while a quarter of the host share holds it);
+  gradient at stage 3 with the optimizer on NVMe: in host memory while a quarter of the host share holds it;
+  with it in host memory and the step taken in backward, never held whole: zero/backward_step.py);
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
   ring of tiles, at stage 3 as deep as the largest unit's tiles within LEAD_RING_BYTES, and the gradient's ring
@@ -43,6 +44,7 @@ from infinity.memory.plan import (
     swap_need,
 )
 from infinity.memory.pool import gathered_units_numel, stage3_gradient_numel
+from infinity.zero.backward_step import config_steps_in_backward
 from infinity.zero.compact import STATE_BYTES
 from infinity.zero.grads import GRADIENT_DTYPES
 from infinity.zero.partition import layout_from_runs
@@ -319,7 +321,11 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         home = Where.NVME if grad_on_nvme else grad_home
         grad_bytes = swap.gradients if grad_on_nvme else share * 4
         stored = config.infinity.offloaded_gradient_dtype if grad_on_nvme else "fp32"
-        rows.append(Row("model states", f"reduced {stored} gradient (this rank's share)", home, grad_bytes))
+        if zero.stage == 3 and config_steps_in_backward(config):  # each reduced piece steps and goes back at once
+            rows.append(Row("model states", "reduced fp32 gradient: never held whole (the step runs in backward, "
+                            "unit by unit)", home, 0))  # fmt: skip
+        else:
+            rows.append(Row("model states", f"reduced {stored} gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:
             in_flight = min(trainable, 2 * zero.reduce_bucket_size)
             rows.append(Row("buffers", "gradient buckets in flight", Where.DEVICE, in_flight * 4))

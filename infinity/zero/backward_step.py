@@ -65,6 +65,22 @@ def can_step_in_backward(*, offloaded_to_host: bool, clip_norm: float, loss_scal
     return None
 
 
+def config_steps_in_backward(config) -> bool:
+    """Whether an engine on this ``Config`` takes the step in backward (``infinity estimate`` counts no whole
+    gradient then): the rule above with the JSON's optimizer (none named: the estimate's AdamW), one backward a
+    window, and the key not false. A client optimizer of another class, or a step pre-hook, keeps the step in
+    engine.step() at run time."""
+    if config.infinity.step_in_backward is False or config.gradient_accumulation_steps > 1:
+        return False
+    kind = config.optimizer.type.lower() if config.optimizer is not None else "adamw"
+    zero = config.zero
+    return can_step_in_backward(
+        offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu",
+        clip_norm=config.gradient_clipping, loss_scaling=config.fp16.enabled,
+        driven_by_tiles=kind in ("adam", "adamw", "sgd"), split_masters=config.infinity.offloaded_master == "split",
+    ) is None  # fmt: skip
+
+
 def refusal(why_not: str) -> str:
     """What the key set to true says where the step cannot run in backward (``can_step_in_backward``'s reason)."""
     return f"{KEY} true: {why_not} (drop the key, or set it false)"

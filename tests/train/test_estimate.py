@@ -54,6 +54,35 @@ def test_world_size_divides_the_states():
     assert one.total(Where.NVME) == pytest.approx(124.4e6 * (16 + 4 * one.plan.gradients_on_nvme), rel=0.01)
 
 
+def test_the_step_in_backward_holds_no_whole_gradient():
+    """[Note: step in backward]: stage 3 with the optimizer in host memory and nothing that needs the whole gradient
+    steps unit by unit in backward, so the estimate counts no reduced gradient; clipping (the shipped config's),
+    the key false, accumulation or fp16 each bring back the rank's share (4 bytes an element)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from infinity.train import models
+
+    shape = models.CATALOG["gpt2-small"]
+    described = estimate_cli.describe(shape)
+
+    def gradient_bytes(**changes) -> int:
+        raw = json.loads(Path(REPO, "configs", "zero3-offload-cpu.json").read_text())
+        raw.update(changes)
+        args = argparse.Namespace(world_size=2, seq_len=128)
+        found = estimate_cli.plan_estimate(shape, raw, args, owners_arch=described)[0]
+        (row,) = [row for row in found.rows if row.what.startswith("reduced fp32 gradient")]
+        return row.nbytes
+
+    assert gradient_bytes(gradient_clipping=0) == 0
+    share = 124.4e6 / 2 * 4
+    assert gradient_bytes() == pytest.approx(share, rel=0.01)  # clips at 1.0
+    for changes in ({"infinity": {"step_in_backward": False}}, {"gradient_accumulation_steps": 2},
+                    {"fp16": {"enabled": True}, "bf16": {"enabled": False}}, {"optimizer": {"type": "Adagrad"}}):
+        assert gradient_bytes(gradient_clipping=0, **changes) == pytest.approx(share, rel=0.01), changes
+
+
 @pytest.mark.parametrize("state_dtype,gradient_dtype", [("fp32", "fp32"), ("int8", "fp32"), ("int8", "bf16")])
 def test_compact_states_and_the_gradient_ring(state_dtype, gradient_dtype):
     """With int8 states the tiles hold 4 + 2 x 1.0625 bytes an element instead of 12 (and one tile's states are
