@@ -8,7 +8,7 @@ pieces) gives the stage-3 sizes, so the estimate follows the code. What it count
   the masters: no copy), the optimizer states (Adam 2, SGD with momentum 1 fp32 per element), the reduced fp32
   gradient (whole at stages 0-1, the rank's share at 2-3), each on the tier its offload section names (the
   gradient at stage 3 with the optimizer on NVMe: in host memory while a quarter of the host share holds it;
-  with it in host memory and the step taken in backward, never held whole: zero/backward_step.py);
+  with the optimizer in host memory and the step taken in backward, never held whole: zero/backward_step.py);
 - buffers: gradient buckets in flight, stage 3's gathered units (stage3_max_live_parameters, or the model),
   the NVMe staging rings (buffer_count x the largest piece on NVMe within the staging budget; the optimizer's
   ring of tiles, at stage 3 as deep as the largest unit's tiles within LEAD_RING_BYTES, and the gradient's ring
@@ -321,9 +321,11 @@ def estimate(owners: list[Owner], arch: Architecture, config: Config, shape: Run
         home = Where.NVME if grad_on_nvme else grad_home
         grad_bytes = swap.gradients if grad_on_nvme else share * 4
         stored = config.infinity.offloaded_gradient_dtype if grad_on_nvme else "fp32"
-        if zero.stage == 3 and config_steps_in_backward(config):  # each reduced piece steps and goes back at once
+        if config_steps_in_backward(config):  # each reduced piece steps and goes back at once; with CUDA it is
+            # copied into one reused host buffer first, the widest piece's size (zero/unit_optimizer.py _on_host)
+            landing = max(layout.runs, default=0) * 4 if cuda else 0
             rows.append(Row("model states", "reduced fp32 gradient: never held whole (the step runs in backward, "
-                            "unit by unit)", home, 0))  # fmt: skip
+                            "unit by unit; with CUDA one host buffer of the widest piece)", home, landing))  # fmt: skip
         else:
             rows.append(Row("model states", f"reduced {stored} gradient (this rank's share)", home, grad_bytes))
         if zero.stage == 2:

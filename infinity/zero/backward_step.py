@@ -67,9 +67,9 @@ def can_step_in_backward(*, offloaded_to_host: bool, clip_norm: float, loss_scal
 
 def config_steps_in_backward(config) -> bool:
     """Whether an engine on this ``Config`` takes the step in backward (``infinity estimate`` counts no whole
-    gradient then): the rule above with the JSON's optimizer (none named: the estimate's AdamW), one backward a
-    window, and the key not false. A client optimizer of another class, or a step pre-hook, keeps the step in
-    engine.step() at run time."""
+    gradient then): ``can_step_in_backward`` with the JSON's optimizer (none named: the estimate's AdamW), one
+    backward a window, and the key not false. A client optimizer of another class, or a step pre-hook, keeps the
+    step in engine.step() at run time, which this cannot see."""
     if config.infinity.step_in_backward is False or config.gradient_accumulation_steps > 1:
         return False
     kind = config.optimizer.type.lower() if config.optimizer is not None else "adamw"

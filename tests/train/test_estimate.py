@@ -4,6 +4,7 @@ test_train_cli.py); bad input is one line and exit code 2."""
 
 import os
 import re
+from unittest import mock
 
 import pytest
 
@@ -57,7 +58,8 @@ def test_world_size_divides_the_states():
 def test_the_step_in_backward_holds_no_whole_gradient():
     """[Note: step in backward]: stage 3 with the optimizer in host memory and nothing that needs the whole gradient
     steps unit by unit in backward, so the estimate counts no reduced gradient; clipping (the shipped config's),
-    the key false, accumulation or fp16 each bring back the rank's share (4 bytes an element)."""
+    the key false, accumulation, fp16, another optimizer class or split masters each bring back the rank's share
+    (4 bytes an element). With CUDA what stays is the one host buffer the reduced pieces are copied into."""
     import argparse
     import json
     from pathlib import Path
@@ -67,19 +69,23 @@ def test_the_step_in_backward_holds_no_whole_gradient():
     shape = models.CATALOG["gpt2-small"]
     described = estimate_cli.describe(shape)
 
-    def gradient_bytes(**changes) -> int:
+    def gradient_bytes(cuda: bool = False, **changes) -> int:
         raw = json.loads(Path(REPO, "configs", "zero3-offload-cpu.json").read_text())
         raw.update(changes)
         args = argparse.Namespace(world_size=2, seq_len=128)
-        found = estimate_cli.plan_estimate(shape, raw, args, owners_arch=described)[0]
+        with mock.patch("torch.cuda.is_available", return_value=cuda):  # the estimate's own question, asked here
+            found = estimate_cli.plan_estimate(shape, raw, args, owners_arch=described)[0]
         (row,) = [row for row in found.rows if row.what.startswith("reduced fp32 gradient")]
         return row.nbytes
 
     assert gradient_bytes(gradient_clipping=0) == 0
+    widest_piece = 38_597_376 // 2  # the tied embedding's unit, half a rank's (padded)
+    assert gradient_bytes(cuda=True, gradient_clipping=0) == pytest.approx(widest_piece * 4, rel=0.01)
     share = 124.4e6 / 2 * 4
     assert gradient_bytes() == pytest.approx(share, rel=0.01)  # clips at 1.0
     for changes in ({"infinity": {"step_in_backward": False}}, {"gradient_accumulation_steps": 2},
-                    {"fp16": {"enabled": True}, "bf16": {"enabled": False}}, {"optimizer": {"type": "Adagrad"}}):
+                    {"fp16": {"enabled": True}, "bf16": {"enabled": False}}, {"optimizer": {"type": "Adagrad"}},
+                    {"infinity": {"offloaded_master": "split"}}):
         assert gradient_bytes(gradient_clipping=0, **changes) == pytest.approx(share, rel=0.01), changes
 
 
