@@ -29,7 +29,7 @@ from tests.distributed.training import (
     loss_fn,
 )
 
-MODEL, STEPS, BATCH, ACCUMULATION = "transformer", 4, 8, 2
+MODEL, STEPS, BATCH, ACCUMULATION = "transformer", 3, 8, 2
 OPTIMIZERS = {
     "adagrad": (torch.optim.Adagrad, {"lr": 1e-2, "initial_accumulator_value": 0.1, "weight_decay": 0.01}),
     "adagrad-fused": (torch.optim.Adagrad, {"lr": 1e-2, "fused": True}),
