@@ -16,17 +16,17 @@ import torch
 from tests.distributed.harness import run_distributed
 from tests.distributed.training import WEIGHT_DECAY, engine_config, pieces_error, train_engine, train_reference
 
-STEPS, LR, BATCH = 20, 1e-2, 8
+STEPS, LR, BATCH = 12, 1e-2, 8
 FP32_RTOL = 1e-5
 # bf16: the reference follows the engine's recipe step for step (fp32 masters, bf16 forward/backward on the same
 # micro-batches, each micro-batch's gradient summed in fp32, one thread as in the engine's processes), so only
-# the order of fp32 sums across ranks differs. Measured over 20 steps, stages 0-3, world size 1 and 2 (mlp and
-# transformer): masters within 1.9e-7 and losses within 1.2e-7 of the reference, and the bf16 weights equal.
-# A reference with weight decay 0 or 2x, or the learning rate 2x, is 4.1e-3 or more away on the masters (mlp;
-# 0.12 on the transformer) and 4.5e-4 or more on the losses (the bound before this, ~30% on the weights and
-# 3e-2 on the losses, let every wrong weight decay pass). So the masters and losses are held to the fp32 bound,
-# 1e-5: 50x above the correct runs, 45x (losses) and 400x (masters) below the wrong ones
-# (test_bf16_bound_rejects_a_wrong_reference shows the wrong ones fail).
+# the order of fp32 sums across ranks differs. Measured over these 12 steps, stages 0-3, world size 1 and 2 (mlp
+# and transformer): masters within 6.1e-8 and losses within 1.2e-7 of the reference, and the bf16 weights equal
+# (over 20 steps: 1.9e-7 and 1.2e-7). A reference with weight decay 0 or 2x, or the learning rate 2x, is 3.1e-3
+# or more away on the masters (mlp; 0.075 on the transformer) and 4.2e-4 or more on the losses (the bound before
+# this, ~30% on the weights and 3e-2 on the losses, let every wrong weight decay pass). So the masters and losses
+# are held to the fp32 bound, 1e-5: 80x above the correct runs, 42x (losses) and 310x (masters) below the wrong
+# ones (test_bf16_bound_rejects_a_wrong_reference shows the wrong ones fail).
 # The bf16 weights the model computes with may differ by one bf16 rounding from the reference's masters
 # rounded to bf16 (a master within 1e-7 of a rounding boundary), so they are held to one bf16 ulp.
 BF16_RTOL, BF16_ULP = FP32_RTOL, 2**-8
