@@ -778,14 +778,12 @@ def _parse_infinity(raw: Mapping[str, Any], zero: ZeroConfig, *, bf16: bool, cli
             "join with the pieces the step reads ahead itself (drop one of the keys)"
         )
     if section.step_in_backward:
-        from infinity.zero.backward_step import can_step_in_backward, refusal  # torch: only where the key is set
+        from infinity.zero.backward_step import config_refusal, refusal  # torch: only where the key is set
 
-        why_not = can_step_in_backward(
-            offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu", clip_norm=clipping,
-            loss_scaling=fp16, driven_by_tiles=True, split_masters=section.offloaded_master == "split",
+        why_not = config_refusal(
+            zero, clip_norm=clipping, loss_scaling=fp16, accumulation=accumulation, driven_by_tiles=True,
+            split_masters=section.offloaded_master == "split",
         )  # fmt: skip
-        if why_not is None and accumulation > 1:
-            why_not = "gradient_accumulation_steps > 1 holds the window's earlier gradients until its last backward"
         if why_not is not None:
             raise ConfigError(refusal(why_not))
     return section

@@ -65,19 +65,32 @@ def can_step_in_backward(*, offloaded_to_host: bool, clip_norm: float, loss_scal
     return None
 
 
+def config_refusal(zero, *, clip_norm: float, loss_scaling: bool, accumulation: int, driven_by_tiles: bool,
+                   split_masters: bool) -> str | None:  # fmt: skip
+    """``can_step_in_backward`` on a config's fields (``zero``: its zero_optimization section), and one backward
+    a window: None where the step can run in backward, else why not. One rule for the key's check and the
+    estimate, so that the two cannot drift apart."""
+    why_not = can_step_in_backward(
+        offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu", clip_norm=clip_norm,
+        loss_scaling=loss_scaling, driven_by_tiles=driven_by_tiles, split_masters=split_masters,
+    )  # fmt: skip
+    if why_not is None and accumulation > 1:
+        why_not = "gradient_accumulation_steps > 1 holds the window's earlier gradients until its last backward"
+    return why_not
+
+
 def config_steps_in_backward(config) -> bool:
     """Whether an engine on this ``Config`` takes the step in backward (``infinity estimate`` counts no whole
-    gradient then): ``can_step_in_backward`` with the JSON's optimizer (none named: the estimate's AdamW), one
-    backward a window, and the key not false. A client optimizer of another class, or a step pre-hook, keeps the
-    step in engine.step() at run time, which this cannot see."""
-    if config.infinity.step_in_backward is False or config.gradient_accumulation_steps > 1:
+    gradient then): ``config_refusal`` with the JSON's optimizer (none named: the estimate's AdamW), and the key
+    not false. A client optimizer of another class, or a step pre-hook, keeps the step in engine.step() at run
+    time, which this cannot see."""
+    if config.infinity.step_in_backward is False:
         return False
     kind = config.optimizer.type.lower() if config.optimizer is not None else "adamw"
-    zero = config.zero
-    return can_step_in_backward(
-        offloaded_to_host=zero.stage == 3 and zero.offload_optimizer.device == "cpu",
-        clip_norm=config.gradient_clipping, loss_scaling=config.fp16.enabled,
-        driven_by_tiles=kind in ("adam", "adamw", "sgd"), split_masters=config.infinity.offloaded_master == "split",
+    return config_refusal(
+        config.zero, clip_norm=config.gradient_clipping, loss_scaling=config.fp16.enabled,
+        accumulation=config.gradient_accumulation_steps, driven_by_tiles=kind in ("adam", "adamw", "sgd"),
+        split_masters=config.infinity.offloaded_master == "split",
     ) is None  # fmt: skip
 
 
