@@ -2,6 +2,7 @@
 test's model for two steps with DeepSpeed, saves a checkpoint, resumes from it with DeepSpeed's own
 load_checkpoint, and records the next two steps (losses, and every parameter's fp32 master at the end)."""
 
+import importlib
 import json
 import os
 import sys
@@ -17,6 +18,10 @@ from tests.checkpoint.test_from_deepspeed import batch, build  # noqa: E402
 
 def main() -> None:
     config, folder = json.loads(sys.argv[1]), sys.argv[2]
+    # DeepSpeed's torch backend compiles a shared-memory all-reduce extension at init (once per machine, tens of
+    # seconds) that only its inference_all_reduce uses; ZeRO's training collectives go over gloo either way.
+    # (deepspeed.comm.torch as an attribute is the torch package: the module itself comes from importlib)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(config["zero_optimization"]["stage"])
