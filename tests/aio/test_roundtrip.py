@@ -2,6 +2,8 @@
 
 import itertools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,3 +112,36 @@ def test_zero_sized_tensor_creates_file(disk_dir):
     assert handle.sync_pwrite(torch.empty(0), path) == 0
     assert os.path.getsize(path) == 0
     assert handle.sync_pread(torch.empty(0), path) == 0
+
+
+_NO_TEAM_SCRIPT = """
+import os, sys, threading, torch
+from infinity import AioHandle
+torch.set_num_threads(2)
+
+def started_by_torch():  # OS threads that Python did not start: OpenMP's
+    return {int(t) for t in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+source = torch.arange(16 << 20, dtype=torch.float32)
+torch.mul(source, 1.0)  # the main thread's own team exists now
+before = started_by_torch()
+with AioHandle(intra_op_parallelism=2) as handle:
+    unaligned = source[1:]  # 4 bytes past an aligned start: staged both ways
+    for _ in range(2):
+        handle.sync_pwrite(unaligned, os.path.join(sys.argv[1], "staged"))
+        back = torch.empty_like(unaligned)
+        handle.sync_pread(back, os.path.join(sys.argv[1], "staged"))
+    assert torch.equal(back, unaligned)
+    print(len(started_by_torch() - before))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_staged_transfers_start_no_openmp_team_on_the_workers(disk_dir):
+    """A torch copy on a worker thread would start an OpenMP team there, and libgomp then throttles the spinning
+    of the main thread's team too ([Note: no OpenMP off the main thread]): the workers copy with memmove. In a
+    fresh process, where the main thread's team is the only one."""
+    done = subprocess.run([sys.executable, "-c", _NO_TEAM_SCRIPT, str(disk_dir)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0"], done.stdout
