@@ -124,15 +124,19 @@ def started_by_torch():  # OS threads that Python did not start: OpenMP's
 
 source = torch.arange(16 << 20, dtype=torch.float32)
 torch.mul(source, 1.0)  # the main thread's own team exists now
+if torch.cuda.is_available():  # CUDA's own threads start before the count (staging buffers are pinned there)
+    torch.cuda.init()
+    torch.empty(1, pin_memory=True)
 before = started_by_torch()
 with AioHandle(intra_op_parallelism=2) as handle:
-    unaligned = source[1:]  # 4 bytes past an aligned start: staged both ways
+    unaligned = source[1:]  # 4 bytes past an aligned start: staged both ways, where the disk takes O_DIRECT
     for _ in range(2):
         handle.sync_pwrite(unaligned, os.path.join(sys.argv[1], "staged"))
         back = torch.empty_like(unaligned)
         handle.sync_pread(back, os.path.join(sys.argv[1], "staged"))
     assert torch.equal(back, unaligned)
-    print(len(started_by_torch() - before))
+    staged = any(worker._staging is not None for worker in handle._workers)
+    print(int(staged), len(started_by_torch() - before))
 """
 
 
@@ -144,4 +148,7 @@ def test_staged_transfers_start_no_openmp_team_on_the_workers(disk_dir):
     done = subprocess.run([sys.executable, "-c", _NO_TEAM_SCRIPT, str(disk_dir)], capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["0"], done.stdout
+    staged, started = done.stdout.split()
+    if staged == "0":
+        pytest.skip("this disk refuses O_DIRECT: nothing was staged")
+    assert started == "0", f"{started} thread(s) started by staged transfers"
