@@ -71,7 +71,11 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
-    workdir = tempfile.mkdtemp(prefix="zero3-script-")
+    with tempfile.TemporaryDirectory(prefix="zero3-script-") as workdir:  # the config (unless named), the checkpoint
+        train(args, workdir)
+
+
+def train(args, workdir: str) -> None:
     if args.deepspeed_config is None:
         args.deepspeed_config = os.path.join(workdir, "ds_config.json")
         with open(args.deepspeed_config, "w") as f:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 
 import torch
@@ -48,7 +47,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nvme-path", default=None, help="the swap folder (default: a temp folder, removed after)")
     args = parser.parse_args()
-    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="dpo_swap_")
+    with tempfile.TemporaryDirectory(prefix="dpo_") as scratch:  # the trainer's output_dir and the default swap
+        train(args, scratch)
+    return 0
+
+
+def train(args, scratch: str) -> None:
+    """The DPO run; ``scratch`` (removed after) holds the trainer's output_dir and, unless named, the swap folder."""
+    nvme_path = args.nvme_path or os.path.join(scratch, "swap")
     os.makedirs(nvme_path, exist_ok=True)
 
     tokenizer = char_tokenizer()
@@ -56,7 +62,7 @@ def main() -> int:
     # plain TRL: args = DPOConfig(...)
     dpo_args = InfinityDPOConfig(
         infinity=zero3_nvme(nvme_path),
-        output_dir=tempfile.mkdtemp(prefix="dpo_"),
+        output_dir=os.path.join(scratch, "output"),
         max_steps=args.steps,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=1,
@@ -77,13 +83,10 @@ def main() -> int:
     logs = [h for h in trainer.state.log_history if "loss" in h]
     trainer.engine.destroy()  # collective: every rank calls it, the reference's too
     trainer.ref_model.destroy()
-    if args.nvme_path is None:
-        shutil.rmtree(nvme_path, ignore_errors=True)
     if trainer.is_world_process_zero():
         margin = logs[-1]["rewards/margins"]
         print(f"reward margin of the chosen over the rejected completion at the last step: {margin:.4f}", flush=True)
         print(f"{args.steps} steps: loss {logs[0]['loss']:.4f} -> {logs[-1]['loss']:.4f}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
