@@ -15,7 +15,9 @@ seconds its import and initialize() took (its set-up). Targets (issue: speed):
 - infinity stage 3 + nvme <= 1.10x infinity stage 3 + cpu;
 - infinity stage 3 <= 1.0x FSDP2's step and <= FSDP2's peak RSS; stage 2 <= 1.05x DDP's step;
 - the offload modes' peak RSS the lowest of all.
-Every comparison the run can make is stated, met or not. Writes results/train_vs_peers.json and .png.
+Every comparison the run can make is stated, met or not. The floor (floor-stage3-cpu, not an engine: see Floor)
+bounds the RSS target against DeepSpeed's cpu offload from below: where the floor alone holds more than 0.6x
+DeepSpeed's peak RSS, no engine on this JSON meets it. Writes results/train_vs_peers.json and .png.
 
     python benchmarks/train_vs_peers.py --nvme-path /path/on/nvme --world-sizes 1 2
 """
@@ -23,6 +25,7 @@ Every comparison the run can make is stated, met or not. Writes results/train_vs
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -43,8 +47,9 @@ from offload_step import engine_config as offload_step_config  # noqa: E402
 
 ZERO_MODES = {"stage2": "stage2", "stage3": "stage3", "stage3-cpu": "stage3-cpu", "stage3-nvme": "stage3-nvme"}
 SWAP_BYTES_PER_RANK = 4 << 30  # GPT-2 small with everything on NVMe: ~2.5 GB per rank (either engine), and room
+FLOOR = "floor-stage3-cpu"  # not an engine: the least any engine holds on stage 3 + cpu offload's JSON (Floor)
 MODES = ["pytorch-ddp", "fsdp2", "fsdp2-cpu-offload", *(f"deepspeed-{m}" for m in ZERO_MODES),
-         *(f"infinity-{m}" for m in ZERO_MODES)]  # fmt: skip
+         *(f"infinity-{m}" for m in ZERO_MODES), FLOOR]  # fmt: skip
 
 
 # DeepSpeed's parameter swapper takes one buffer per parameter it swaps in and holds it while the parameter is
@@ -118,7 +123,99 @@ class DeepSpeed:
         self.engine.destroy()
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def _mallinfo2() -> _MallInfo2:
+    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if mallinfo2 is None:
+        raise SystemExit(f"train_vs_peers: {FLOOR} counts the heap with glibc's mallinfo2 (glibc 2.33 or later), "
+                         "which this C library lacks: leave the mode out (--modes)")  # fmt: skip
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Floor:
+    """Not an engine: a lower bound on the peak RSS of any engine on stage 3 + cpu offload's JSON, so that an RSS
+    target against DeepSpeed can be checked for being within reach at all. Its process holds only what that JSON
+    asks of every engine: the whole model in bf16 (gathered, and kept from its forward to its backward, as the
+    default stage3_max_reuse_distance keeps it), the fp32 master and Adam's two moments of this rank's share
+    (written once, never stepped: offload_optimizer puts them in host memory), and the forward's activations. Each
+    gradient is dropped as autograd finishes it (nothing reduced or kept), and there is no step.
+
+    Its own RSS is no bound: the heap's free blocks and holes count in it, and a plain process leaves many. So the
+    bound counts bytes, not pages: what the process held outside malloc's heap when it had joined its process group
+    (as every engine's rank does) and built nothing (its RSS less every byte of the heap then, free or not), plus
+    the most bytes malloc had out at once afterwards (glibc's mallinfo2 sampled every millisecond: a peak the
+    sampling misses only lowers the bound). Its step time and loss mean nothing."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+        if self.distributed:
+            dist.init_process_group("gloo")
+        heap = _mallinfo2()
+        self.bare_rss = _rss_bytes()
+        self.bare_heap = int(heap.arena + heap.hblkhd)  # in use or free, resident or not: an engine could reuse it
+        self.peak_live = int(heap.uordblks + heap.hblkhd)
+        self.sampling = threading.Event()
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        self.module = None
+        self.states: list[torch.Tensor] = []
+
+    def hold(self, model) -> Floor:
+        """Takes the model and this rank's optimizer states, and starts counting."""
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.module = model.to(torch.bfloat16)
+        share = -(-sum(p.numel() for p in model.parameters()) // world_size)
+        self.states = [torch.empty(share, dtype=torch.float32).zero_() for _ in range(3)]  # written: resident
+        for parameter in model.parameters():
+            parameter.register_post_accumulate_grad_hook(self._drop_gradient)
+        self.sampling.set()
+        self.sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.sampling.is_set():
+            heap = _mallinfo2()
+            self.peak_live = max(self.peak_live, int(heap.uordblks + heap.hblkhd))
+            time.sleep(0.001)
+
+    @staticmethod
+    def _drop_gradient(parameter) -> None:
+        parameter.grad = None
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        pass  # a bound on memory: the step's math is the engines' to do
+
+    def bound_bytes(self) -> int:
+        return self.bare_rss - self.bare_heap + self.peak_live
+
+    def destroy(self) -> None:
+        self.sampling.clear()
+        self.sampler.join()
+        if self.distributed:
+            torch.distributed.destroy_process_group()
+
+
 def build(mode: str, model, args):
+    if mode == FLOOR:
+        return args.floor.hold(model)
     if mode == "pytorch-ddp":
         return Ddp(model, args.dtype)
     if mode.startswith("fsdp2"):
@@ -148,6 +245,8 @@ def worker(args) -> None:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     torch.set_num_threads(max(1, args.threads // world_size))
+    if args.mode == FLOOR:
+        args.floor = Floor()  # before the model: its bare process
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_positions=SEQ, use_cache=False, n_layer=args.layers))
     started = time.perf_counter()
@@ -168,8 +267,13 @@ def worker(args) -> None:
                       "minor_faults": after.ru_minflt - usage.ru_minflt,
                       "system_s": after.ru_stime - usage.ru_stime})  # fmt: skip
     engine.destroy()
+    measured = {"steps": steps, "peak_rss_bytes": _peak_rss_bytes(), "setup_s": setup_s}
+    if args.mode == FLOOR:  # its "peak RSS" is the bound; its own, beside it
+        measured["extra_bytes"] = {"own_peak_rss": measured["peak_rss_bytes"], "bare_rss": engine.bare_rss,
+                                   "bare_heap": engine.bare_heap, "peak_live_heap": engine.peak_live}  # fmt: skip
+        measured["peak_rss_bytes"] = engine.bound_bytes()
     with open(os.path.join(args.out, f"{args.mode}-rank{rank}.json"), "w") as f:
-        json.dump({"steps": steps, "peak_rss_bytes": _peak_rss_bytes(), "setup_s": setup_s}, f)
+        json.dump(measured, f)
 
 
 def deepspeed_available() -> bool:
@@ -203,7 +307,10 @@ def summarise(mode: str, world_size: int, out: str, skip: int) -> dict:
         with open(os.path.join(out, f"{mode}-rank{rank}.json")) as f:
             ranks.append(json.load(f))
     kept = ranks[0]["steps"][skip:]
+    extras = {f"{name}_gib_per_rank": [r["extra_bytes"][name] / 2**30 for r in ranks]
+              for name in ranks[0].get("extra_bytes", {})}  # fmt: skip
     return {
+        **extras,
         "median_step_s": statistics.median(s["step_s"] for s in kept),
         "minor_faults_per_step": statistics.median(s["minor_faults"] for s in kept),
         "system_s_per_step": statistics.median(s["system_s"] for s in kept),
@@ -216,7 +323,8 @@ def summarise(mode: str, world_size: int, out: str, skip: int) -> dict:
 
 def combine(runs: list[dict]) -> dict:
     entry = {key: statistics.median(run[key] for run in runs) for key in runs[0] if not isinstance(runs[0][key], list)}
-    entry["peak_rss_gib_per_rank"] = [max(v) for v in zip(*(r["peak_rss_gib_per_rank"] for r in runs), strict=True)]
+    for key in (k for k in runs[0] if k.endswith("_gib_per_rank")):  # the peak RSS (the floor's extras too)
+        entry[key] = [max(v) for v in zip(*(r[key] for r in runs), strict=True)]
     entry["peak_rss_gib"] = max(entry["peak_rss_gib_per_rank"])
     entry["losses_rank0"] = runs[0]["losses_rank0"]
     return entry
@@ -227,14 +335,18 @@ def comparisons(modes: dict) -> list[dict]:
     rows = []
 
     def ratio(mine: str, theirs: str, key: str, target: float) -> None:
+        kind = "bound" if mine == FLOOR else "target"  # a bound's "met": the target is within any engine's reach
         if mine in modes and theirs in modes:
             value = modes[mine][key] / modes[theirs][key]
-            rows.append({"what": f"{mine} / {theirs} {key}", "ratio": value, "target": target, "met": value <= target})
+            rows.append({"what": f"{mine} / {theirs} {key}", "ratio": value, "target": target, "met": value <= target,
+                         "kind": kind})  # fmt: skip
         else:
-            rows.append({"what": f"{mine} / {theirs} {key}", "ratio": None, "target": target, "met": None})
+            rows.append({"what": f"{mine} / {theirs} {key}", "ratio": None, "target": target, "met": None,
+                         "kind": kind})  # fmt: skip
 
     ratio("infinity-stage3-cpu", "deepspeed-stage3-cpu", "median_step_s", 0.9)
     ratio("infinity-stage3-cpu", "deepspeed-stage3-cpu", "peak_rss_gib", 0.6)
+    ratio(FLOOR, "deepspeed-stage3-cpu", "peak_rss_gib", 0.6)
     ratio("infinity-stage3-nvme", "deepspeed-stage3-nvme", "median_step_s", 0.8)
     ratio("infinity-stage3-nvme", "deepspeed-stage3-nvme", "peak_rss_gib", 0.6)
     ratio("infinity-stage3-nvme", "infinity-stage3-cpu", "median_step_s", 1.10)
@@ -244,7 +356,7 @@ def comparisons(modes: dict) -> list[dict]:
     ratio("infinity-stage2", "deepspeed-stage2", "median_step_s", 1.0)
     ratio("infinity-stage3", "deepspeed-stage3", "median_step_s", 1.0)
     offload = [m for m in ("infinity-stage3-cpu", "infinity-stage3-nvme") if m in modes]
-    others = [m for m in modes if not m.startswith("infinity-stage3-")]
+    others = [m for m in modes if not m.startswith("infinity-stage3-") and m != FLOOR]
     if offload and others:
         lowest_other = min(modes[m]["peak_rss_gib"] for m in others)
         value = max(modes[m]["peak_rss_gib"] for m in offload) / lowest_other
@@ -266,14 +378,18 @@ def plot(report: dict, path: str) -> None:
     for row, world_size in enumerate(sizes):
         modes = report["world_sizes"][world_size]
         names = list(modes)
-        colours = ["tab:orange" if n.startswith("infinity") else "tab:blue" for n in names]
-        axes[row][0].bar(names, [modes[m]["median_step_s"] for m in names], color=colours)
+        colours = ["tab:gray" if n == FLOOR else "tab:orange" if n.startswith("infinity") else "tab:blue"
+                   for n in names]  # fmt: skip
+        timed = [(n, c) for n, c in zip(names, colours, strict=True) if n != FLOOR]  # the floor's step means nothing
+        steps = [modes[n]["median_step_s"] for n, _ in timed]
+        axes[row][0].bar([n for n, _ in timed], steps, color=[c for _, c in timed])
         axes[row][1].bar(names, [modes[m]["peak_rss_gib"] for m in names], color=colours)
         axes[row][0].set_ylabel(f"world size {world_size}\nmedian step (s)")
         axes[row][1].set_ylabel("peak RSS per rank (GiB)")
         for axis in axes[row]:
             axis.tick_params(axis="x", rotation=35, labelsize=8)
-    fig.suptitle(f"GPT-2 124M, seq {SEQ}, micro batch {MICRO}, {report['dtype']}: infinity (orange) and its peers")
+    fig.suptitle(f"GPT-2 124M, seq {SEQ}, micro batch {MICRO}, {report['dtype']}: infinity (orange), its peers (blue), "
+                 "the floor (gray)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -282,11 +398,15 @@ def print_summary(report: dict) -> None:
     for world_size, modes in report["world_sizes"].items():
         print(f"\nworld size {world_size}: mode, median step s, peak RSS GiB/rank, minor faults/step, system s/step")
         for mode, entry in modes.items():
-            print(f"  {mode:24} {entry['median_step_s']:7.2f} {entry['peak_rss_gib']:7.2f} "
+            step = "      -" if mode == FLOOR else f"{entry['median_step_s']:7.2f}"  # a bound: its step means nothing
+            print(f"  {mode:24} {step} {entry['peak_rss_gib']:7.2f} "
                   f"{entry['minor_faults_per_step']:12,.0f} {entry['system_s_per_step']:7.2f}")  # fmt: skip
         for row in report["comparisons"][world_size]:
-            shown = "n/a (a side did not run)" if row["ratio"] is None else f"{row['ratio']:.2f}"
+            digits = 3 if row.get("kind") == "bound" else 2  # a bound near its target shows on which side it lies
+            shown = "n/a (a side did not run)" if row["ratio"] is None else f"{row['ratio']:.{digits}f}"
             verdict = "" if row["met"] is None else ("met" if row["met"] else "NOT met")
+            if row.get("kind") == "bound" and row["met"] is not None:
+                verdict = "within reach" if row["met"] else "out of reach for any engine on this JSON"
             print(f"  {row['what']}: {shown} (target <= {row['target']}) {verdict}")
     for mode, why in report["not_run"].items():
         print(f"not run: {mode}: {why}")
