@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -129,13 +130,18 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]  # fmt: skip
 
 
-def _mallinfo2() -> _MallInfo2:
-    mallinfo2 = getattr(ctypes.CDLL(None), "mallinfo2", None)
-    if mallinfo2 is None:
+@functools.cache
+def _mallinfo2_function():
+    function = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if function is None:
         raise SystemExit(f"train_vs_peers: {FLOOR} counts the heap with glibc's mallinfo2 (glibc 2.33 or later), "
                          "which this C library lacks: leave the mode out (--modes)")  # fmt: skip
-    mallinfo2.restype = _MallInfo2
-    return mallinfo2()
+    function.restype = _MallInfo2
+    return function
+
+
+def _mallinfo2() -> _MallInfo2:
+    return _mallinfo2_function()()
 
 
 def _rss_bytes() -> int:
@@ -323,8 +329,11 @@ def summarise(mode: str, world_size: int, out: str, skip: int) -> dict:
 
 def combine(runs: list[dict]) -> dict:
     entry = {key: statistics.median(run[key] for run in runs) for key in runs[0] if not isinstance(runs[0][key], list)}
-    for key in (k for k in runs[0] if k.endswith("_gib_per_rank")):  # the peak RSS (the floor's extras too)
-        entry[key] = [max(v) for v in zip(*(r[key] for r in runs), strict=True)]
+    entry["peak_rss_gib_per_rank"] = [max(v) for v in zip(*(r["peak_rss_gib_per_rank"] for r in runs), strict=True)]
+    entry["peak_rss_gib_per_rank_by_round"] = [r["peak_rss_gib_per_rank"] for r in runs]
+    largest = max(runs, key=lambda r: max(r["peak_rss_gib_per_rank"]))  # the floor's parts: its largest bound's round
+    for key in (k for k in runs[0] if k.endswith("_gib_per_rank") and k != "peak_rss_gib_per_rank"):
+        entry[key] = largest[key]
     entry["peak_rss_gib"] = max(entry["peak_rss_gib_per_rank"])
     entry["losses_rank0"] = runs[0]["losses_rank0"]
     return entry
