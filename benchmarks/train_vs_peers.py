@@ -331,7 +331,8 @@ def combine(runs: list[dict]) -> dict:
     entry = {key: statistics.median(run[key] for run in runs) for key in runs[0] if not isinstance(runs[0][key], list)}
     entry["peak_rss_gib_per_rank"] = [max(v) for v in zip(*(r["peak_rss_gib_per_rank"] for r in runs), strict=True)]
     entry["peak_rss_gib_per_rank_by_round"] = [r["peak_rss_gib_per_rank"] for r in runs]
-    largest = max(runs, key=lambda r: max(r["peak_rss_gib_per_rank"]))  # the floor's parts: its largest bound's round
+    # the floor's parts: the round of its largest bound (a rank's own largest may be another round's)
+    largest = max(runs, key=lambda r: max(r["peak_rss_gib_per_rank"]))
     for key in (k for k in runs[0] if k.endswith("_gib_per_rank") and k != "peak_rss_gib_per_rank"):
         entry[key] = largest[key]
     entry["peak_rss_gib"] = max(entry["peak_rss_gib_per_rank"])
