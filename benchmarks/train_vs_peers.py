@@ -131,7 +131,7 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _mallinfo2_function():
+def _mallinfo2_function():  # not infinity.memory.host's: the floor's process imports no engine
     function = getattr(ctypes.CDLL(None), "mallinfo2", None)
     if function is None:
         raise SystemExit(f"train_vs_peers: {FLOOR} counts the heap with glibc's mallinfo2 (glibc 2.33 or later), "
@@ -166,8 +166,8 @@ class Floor:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        self.distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
-        if self.distributed:
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if self.world_size > 1:
             dist.init_process_group("gloo")
         heap = _mallinfo2()
         self.bare_rss = _rss_bytes()
@@ -180,9 +180,8 @@ class Floor:
 
     def hold(self, model) -> Floor:
         """Takes the model and this rank's optimizer states, and starts counting."""
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.module = model.to(torch.bfloat16)
-        share = -(-sum(p.numel() for p in model.parameters()) // world_size)
+        share = -(-sum(p.numel() for p in model.parameters()) // self.world_size)
         self.states = [torch.empty(share, dtype=torch.float32).zero_() for _ in range(3)]  # written: resident
         for parameter in model.parameters():
             parameter.register_post_accumulate_grad_hook(self._drop_gradient)
@@ -215,7 +214,7 @@ class Floor:
     def destroy(self) -> None:
         self.sampling.clear()
         self.sampler.join()
-        if self.distributed:
+        if self.world_size > 1:
             torch.distributed.destroy_process_group()
 
 
