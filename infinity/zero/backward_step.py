@@ -40,12 +40,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # config.py imports this module where the key is set
-    from infinity.config import ZeroConfig
 
 KEY = "infinity.step_in_backward"
 
@@ -69,7 +65,7 @@ def can_step_in_backward(*, offloaded_to_host: bool, clip_norm: float, loss_scal
     return None
 
 
-def config_refusal(zero: ZeroConfig, *, clip_norm: float, loss_scaling: bool, accumulation: int, driven_by_tiles: bool,
+def config_refusal(zero, *, clip_norm: float, loss_scaling: bool, accumulation: int, driven_by_tiles: bool,
                    split_masters: bool) -> str | None:  # fmt: skip
     """``can_step_in_backward`` on a config's fields (``zero``: its zero_optimization section), and one backward
     a window: None where the step can run in backward, else why not. One rule for the key's check and the
